@@ -1,0 +1,390 @@
+"""Message types: one small dataclass per type byte, validated field by field on decode.
+
+A header is a msgpack map whose keys are exactly a message's field names. Unknown keys, missing
+required keys, wrong types and values past a field's limits are `invalid_request` errors, never
+exceptions that escape a process's receive loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, ClassVar
+
+from .errors import ProtocolError
+
+
+class MsgType(IntEnum):
+    # client -> coordinator
+    GENERATE = 0x01
+    ABORT = 0x02
+    STATUS = 0x03
+    # coordinator -> client
+    CHUNK = 0x11
+    RESULT = 0x12
+    STATUS_REPLY = 0x13
+    ERROR = 0x1F
+    # worker <-> coordinator
+    REGISTER = 0x21
+    ASSIGN = 0x22
+    READY = 0x23
+    HEARTBEAT = 0x24
+    STEP = 0x25
+    STEP_RESULT = 0x26
+    STEP_ERROR = 0x27
+    SHUTDOWN = 0x28
+    # worker -> next worker
+    ACTIVATIONS = 0x31
+
+
+MAX_ID = 128  # characters in a request id
+MAX_TEXT = 1 << 20  # characters in a prompt or a chat message
+MAX_TOKENS_LIST = 1 << 20  # token ids in one list
+MAX_LIST = 1 << 16  # items in any other list
+
+
+def limit(max_len: int | None = None, lo: float | None = None, hi: float | None = None) -> dict:
+    return {"max_len": max_len, "lo": lo, "hi": hi}
+
+
+def _field(default: Any = dataclasses.MISSING, **limits: Any) -> Any:
+    if isinstance(default, list):
+        return field(default_factory=list, metadata=limit(**limits))
+    return field(default=default, metadata=limit(**limits))
+
+
+# ---- client <-> coordinator -------------------------------------------------------------------
+
+
+@dataclass
+class ChatMessage:
+    role: str = _field(max_len=64)
+    content: str = _field(max_len=MAX_TEXT)
+
+
+@dataclass
+class Generate:
+    TYPE: ClassVar[MsgType] = MsgType.GENERATE
+    request_id: str = _field(max_len=MAX_ID)
+    prompt: str | None = _field(None, max_len=MAX_TEXT)
+    prompt_token_ids: list[int] | None = _field(None, max_len=MAX_TOKENS_LIST)
+    messages: list[ChatMessage] | None = _field(None, max_len=4096)
+    max_tokens: int = _field(16, lo=1, hi=1 << 24)
+    temperature: float = _field(0.0, lo=0.0, hi=100.0)
+    top_p: float = _field(1.0, lo=0.0, hi=1.0)
+    top_k: int = _field(0, lo=0, hi=1 << 24)
+    seed: int | None = _field(None, lo=0, hi=(1 << 63) - 1)
+    stop: list[str] = _field([], max_len=64)
+    stop_token_ids: list[int] = _field([], max_len=1024)
+    ignore_eos: bool = _field(False)
+    priority: int = _field(0, lo=-(1 << 31), hi=(1 << 31) - 1)
+    n: int = _field(1, lo=1, hi=64)
+    stream: bool = _field(False)
+
+    def check(self) -> None:
+        given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
+        if sum(given) != 1:
+            raise ProtocolError("give exactly one of prompt, prompt_token_ids or messages")
+        if self.prompt == "" or self.prompt_token_ids == [] or self.messages == []:
+            raise ProtocolError("the prompt is empty")
+        if self.top_p <= 0.0:
+            raise ProtocolError("top_p must be in (0, 1]")
+        if any(s == "" for s in self.stop):
+            raise ProtocolError("stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids) or any(
+            t < 0 for t in self.prompt_token_ids or ()
+        ):
+            raise ProtocolError("token ids must not be negative")
+
+
+@dataclass
+class Abort:
+    TYPE: ClassVar[MsgType] = MsgType.ABORT
+    request_id: str = _field(max_len=MAX_ID)
+
+
+@dataclass
+class Status:
+    TYPE: ClassVar[MsgType] = MsgType.STATUS
+
+
+@dataclass
+class Chunk:
+    TYPE: ClassVar[MsgType] = MsgType.CHUNK
+    request_id: str = _field(max_len=MAX_ID)
+    index: int = _field(0, lo=0)
+    token_ids: list[int] = _field([], max_len=MAX_TOKENS_LIST)
+    text: str = _field("", max_len=MAX_TEXT)
+    finish_reason: str | None = _field(None, max_len=32)  # set on a choice's last chunk
+
+
+@dataclass
+class Choice:
+    index: int = _field(0, lo=0)
+    token_ids: list[int] = _field([], max_len=MAX_TOKENS_LIST)
+    text: str = _field("", max_len=1 << 26)
+    finish_reason: str = _field("stop", max_len=32)
+    preemptions: int = _field(0, lo=0)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = _field(0, lo=0)
+    completion_tokens: int = _field(0, lo=0)
+
+
+@dataclass
+class Result:
+    TYPE: ClassVar[MsgType] = MsgType.RESULT
+    request_id: str = _field(max_len=MAX_ID)
+    prompt_token_ids: list[int] = _field([], max_len=MAX_TOKENS_LIST)
+    choices: list[Choice] = _field([], max_len=64)
+    usage: Usage = field(default_factory=Usage)
+
+
+@dataclass
+class StatusReply:
+    TYPE: ClassVar[MsgType] = MsgType.STATUS_REPLY
+    status: dict = field(default_factory=dict)
+
+
+@dataclass
+class Error:
+    TYPE: ClassVar[MsgType] = MsgType.ERROR
+    code: str = _field(max_len=32)
+    message: str = _field(max_len=1 << 16)
+    request_id: str | None = _field(None, max_len=MAX_ID)
+
+
+# ---- coordinator <-> worker -------------------------------------------------------------------
+
+
+@dataclass
+class Register:
+    TYPE: ClassVar[MsgType] = MsgType.REGISTER
+    rank: int = _field(-1, lo=-1, hi=4095)  # -1: any rank
+    device: str = _field("cpu", max_len=64)
+    pid: int = _field(0, lo=0)
+    hostname: str = _field("", max_len=256)
+    data_endpoint: str = _field("", max_len=256)  # where this worker's activation PULL listens
+    memory_bytes: int = _field(0, lo=0)  # free memory on its device
+
+
+@dataclass
+class Assign:
+    TYPE: ClassVar[MsgType] = MsgType.ASSIGN
+    rank: int = _field(lo=0, hi=4095)
+    n_workers: int = _field(lo=1, hi=4096)
+    model: str = _field(max_len=4096)
+    dtype: str = _field(max_len=32)
+    page_size: int = _field(lo=1, hi=1 << 16)
+    kv_pages: int = _field(lo=1, hi=1 << 31)
+    park_pages: int = _field(0, lo=0, hi=1 << 31)
+    kv_mode: str = _field("device", max_len=16)
+    pipeline_depth: int = _field(1, lo=0, hi=64)
+    ring_budget_mib: int = _field(0, lo=0, hi=1 << 31)
+    exact: bool = _field(False)
+    next_endpoint: str | None = _field(None, max_len=256)
+    layer_start: int | None = _field(None, lo=0)
+    layer_end: int | None = _field(None, lo=0)
+    metrics_port: int | None = _field(None, lo=0, hi=65535)
+
+
+@dataclass
+class ModelInfo:
+    name: str = _field(max_len=4096)
+    n_layers: int = _field(lo=1)
+    vocab_size: int = _field(lo=1)
+    max_context: int = _field(lo=1)
+    tokenizer_json: str = _field(max_len=1 << 28)
+    chat_template: str | None = _field(None, max_len=1 << 20)
+    bos_id: int | None = _field(None, lo=0)
+    add_bos: bool = _field(False)
+    eos_ids: list[int] = _field([], max_len=64)
+
+
+@dataclass
+class Ready:
+    TYPE: ClassVar[MsgType] = MsgType.READY
+    rank: int = _field(lo=0)
+    layer_start: int = _field(lo=0)
+    layer_end: int = _field(lo=0)
+    device: str = _field("cpu", max_len=64)
+    kv_bytes_per_page: int = _field(0, lo=0)
+    model: ModelInfo | None = _field(None)  # from rank 0 only
+
+
+@dataclass
+class Heartbeat:
+    TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
+    rank: int = _field(lo=0)
+
+
+@dataclass
+class Sampling:
+    temperature: float = _field(0.0, lo=0.0)
+    top_p: float = _field(1.0, lo=0.0, hi=1.0)
+    top_k: int = _field(0, lo=0)
+    seed: int = _field(0, lo=0, hi=(1 << 63) - 1)
+
+
+@dataclass
+class SeqPlan:
+    """One sequence's part of a step: `n` tokens at positions start .. start+n-1."""
+
+    id: int = _field(lo=0)
+    start: int = _field(lo=0)
+    n: int = _field(lo=1)
+    pages_add: list[int] = _field([], max_len=MAX_LIST)  # appended to its page table first
+    sample: bool = _field(False)  # sample a token after the last of the n positions
+    sampling: Sampling | None = _field(None)  # the first time the worker sees this sequence
+
+
+@dataclass
+class Step:
+    TYPE: ClassVar[MsgType] = MsgType.STEP
+    step: int = _field(lo=0)
+    seqs: list[SeqPlan] = _field([], max_len=MAX_LIST)
+    token_ids: list[int] = _field([], max_len=MAX_TOKENS_LIST)  # sum of seqs' n, in order
+    free: list[int] = _field([], max_len=MAX_LIST)  # sequences to forget before this step
+
+
+@dataclass
+class StepResult:
+    TYPE: ClassVar[MsgType] = MsgType.STEP_RESULT
+    step: int = _field(lo=0)
+    seq_ids: list[int] = _field([], max_len=MAX_LIST)
+    tokens: list[int] = _field([], max_len=MAX_LIST)
+    forward_seconds: float = _field(0.0, lo=0.0)
+
+
+@dataclass
+class StepError:
+    TYPE: ClassVar[MsgType] = MsgType.STEP_ERROR
+    step: int = _field(lo=0)
+    code: str = _field(max_len=32)
+    message: str = _field(max_len=1 << 16)
+
+
+@dataclass
+class Shutdown:
+    TYPE: ClassVar[MsgType] = MsgType.SHUTDOWN
+
+
+@dataclass
+class Activations:
+    """Hidden states of one step, [T, dim], in the single raw frame that follows."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ACTIVATIONS
+    step: int = _field(lo=0)
+    dtype: str = _field(max_len=16)
+    shape: list[int] = _field([], max_len=8)
+
+
+MESSAGES: dict[MsgType, type] = {
+    cls.TYPE: cls
+    for cls in (
+        Generate, Abort, Status, Chunk, Result, StatusReply, Error, Register, Assign, Ready,
+        Heartbeat, Step, StepResult, StepError, Shutdown, Activations,
+    )
+}
+FRAMES: dict[MsgType, int] = {MsgType.ACTIVATIONS: 1}  # raw frames each type carries
+
+
+# ---- validation -------------------------------------------------------------------------------
+
+
+def to_header(msg: Any) -> dict:
+    """The msgpack-ready map of a message (nested dataclasses become maps)."""
+    return {f.name: _plain(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return to_header(value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def from_header(cls: type, header: Any, where: str = "") -> Any:
+    """Build `cls` from a decoded map, checking every field; raises ProtocolError."""
+    if not isinstance(header, dict):
+        raise ProtocolError(f"{where or cls.__name__} must be a map")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in header if k not in fields]
+    if unknown:
+        raise ProtocolError(f"unknown field {where}{str(unknown[0])[:64]!r}")
+    hints = _hints(cls)
+    values = {}
+    for name, f in fields.items():
+        if name not in header:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"missing field {where}{name!r}")
+            continue
+        values[name] = _check(hints[name], header[name], f.metadata, f"{where}{name}")
+    return cls(**values)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _check(tp: Any, value: Any, meta: Any, name: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _check(inner, value, meta, name)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolError(f"field {name!r} must be a list")
+        _check_len(value, meta, name)
+        (item,) = typing.get_args(tp)
+        return [_check(item, v, {}, f"{name}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return from_header(tp, value, f"{name}.")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ProtocolError(f"field {name!r} must be a boolean")
+        return value
+    if tp is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ProtocolError(f"field {name!r} must be an integer")
+        return _check_range(value, meta, name)
+    if tp is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+            raise ProtocolError(f"field {name!r} must be a number")
+        return _check_range(float(value), meta, name)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ProtocolError(f"field {name!r} must be a string")
+        _check_len(value, meta, name)
+        return value
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"field {name!r} must be a map")
+        return value
+    raise TypeError(f"unsupported field type {tp!r}")  # a bug in this file, not bad input
+
+
+def _check_len(value: Any, meta: Any, name: str) -> None:
+    max_len = meta.get("max_len") if meta else None
+    if max_len is not None and len(value) > max_len:
+        raise ProtocolError(f"field {name!r} is longer than {max_len}")
+
+
+def _check_range(value: Any, meta: Any, name: str) -> Any:
+    lo, hi = (meta.get("lo"), meta.get("hi")) if meta else (None, None)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ProtocolError(f"field {name!r} must be in [{lo}, {hi}], got {value}")
+    return value
