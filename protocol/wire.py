@@ -42,9 +42,7 @@ def decode(parts: Sequence[Any]) -> tuple[Any, list[memoryview]]:
             f"{msg_type.name} carries {FRAMES.get(msg_type, 0)} raw frames, got {len(frames)}"
         )
     try:
-        fields = msgpack.unpackb(
-            header, raw=False, strict_map_key=True, use_list=True, max_buffer_size=len(header)
-        )
+        fields = msgpack.unpackb(header, raw=False, strict_map_key=True, use_list=True)
     except Exception as e:  # msgpack raises several types for garbage and trailing bytes
         raise ProtocolError(f"malformed header: {type(e).__name__}") from None
     return from_header(MESSAGES[msg_type], fields), frames
