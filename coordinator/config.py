@@ -1,0 +1,60 @@
+"""CoordinatorConfig: every knob of a cluster, validated once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CoordinatorConfig:
+    model: str = "smollm2-135m"
+    workers: int = 1
+    devices: list[str] = field(default_factory=lambda: ["cpu"])
+    dtype: str = "auto"
+    kv: str = "device"
+    pipeline_depth: int = 1
+    ring_budget_mib: int = 512
+    exact: bool = False
+    page_size: int = 16
+    kv_pages: int = 1024
+    park_pages: int = 4096
+    max_batch_seqs: int = 64
+    max_batch_tokens: int = 512
+    preempt_every: int = 0
+    listen: str = "tcp://127.0.0.1:5555"
+    worker_listen: str = "tcp://127.0.0.1:5556"
+    metrics_port: int | None = 9400
+    curve_keys: str | None = None
+    insecure: bool = False
+    spawn_workers: bool = True  # launch: start local worker processes
+    worker_threads: int = 0  # torch threads per local worker (0: cores / workers)
+    startup_timeout: float = 600.0
+    heartbeat_timeout: float = 2.0
+    max_waiting: int = 4096  # queued requests before new ones get `overloaded`
+
+    def __post_init__(self) -> None:
+        if len(self.devices) == 1 and self.workers > 1:
+            self.devices = self.devices * self.workers
+        self.validate()
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        need(self.workers >= 1, "--workers must be at least 1")
+        need(len(self.devices) == self.workers,
+             f"--devices names {len(self.devices)} devices for {self.workers} workers")
+        for d in self.devices:
+            need(d == "cpu" or d.startswith("cuda"), f"unknown device {d!r}: use cpu or cuda:N")
+        need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"unknown --dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
+        need(self.kv in ("device", "host"), f"--kv must be device or host, not {self.kv!r}")
+        need(self.pipeline_depth >= 0, "--pipeline-depth must be >= 0")
+        need(self.ring_budget_mib >= 0, "--ring-budget-mib must be >= 0")
+        need(1 <= self.page_size <= 4096, "--page-size must be in [1, 4096]")
+        need(self.kv_pages >= 1, "--kv-pages must be at least 1")
+        need(self.park_pages >= 0, "--park-pages must be >= 0")
+        need(self.max_batch_seqs >= 1, "--max-batch-seqs must be at least 1")
+        need(self.max_batch_tokens >= 1, "--max-batch-tokens must be at least 1")
+        need(self.preempt_every >= 0, "--preempt-every must be >= 0")

@@ -1,0 +1,478 @@
+"""The serving loop: client messages in, plans out to the workers, results back to clients.
+
+One thread owns both ROUTER sockets. Each turn: read what arrived, schedule and dispatch as many
+plans as may be in flight (one per pipeline stage), then check worker health and client
+liveness. Nothing a client or worker sends can raise out of the loop: bad input becomes an
+`Error` reply or a dropped, counted message.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import secrets
+import time
+from dataclasses import asdict, dataclass
+
+import zmq
+
+from protocol import security
+from protocol.errors import ErrorCode, ProtocolError, RequestError
+from protocol.messages import (
+    Abort, Chunk, Choice, Error, Generate, Ready, Register, Result, SeqPlan, Status, StatusReply,
+    Step, StepError, StepResult, Usage,
+)
+from protocol.messages import Sampling as SamplingMsg
+from protocol.wire import MAX_MESSAGE_BYTES, decode, encode
+
+from .config import CoordinatorConfig
+from .metrics import CoordinatorMetrics
+from .page_allocator import PageAllocator
+from .scheduler import Scheduler
+from .sequence import Request, Sequence
+from .text import Detokenizer, TextCodec, find_stop
+from .worker_group import WorkerGroup
+
+log = logging.getLogger("siding.coordinator")
+
+KEEPALIVE_SECONDS = 1.0
+CLIENT_HWM = 100_000  # queued replies per client before it counts as not reading
+
+
+@dataclass
+class InFlight:
+    batch: list[tuple[Sequence, int]]
+    sent: float
+
+
+class Engine:
+    def __init__(self, config: CoordinatorConfig, metrics: CoordinatorMetrics | None = None):
+        self.config = config
+        self.metrics = metrics or CoordinatorMetrics()
+        for ep in (config.listen, config.worker_listen):
+            security.check_bind(ep, config.curve_keys, config.insecure)
+        self.ctx = zmq.Context()
+        self.auth = None
+        self.clients = self._router(config.listen)
+        self.clients.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.worker_sock = self._router(config.worker_listen)
+        self.workers = WorkerGroup(self.worker_sock, config)
+        self.requests: dict[tuple[bytes, str], Request] = {}
+        self.inflight: dict[int, InFlight] = {}
+        self.to_free: list[int] = []
+        self.next_step = 0
+        self.next_seq = 0
+        self.decode_steps = 0
+        self.draining = False
+        self.failed: str | None = None  # set when the cluster can no longer serve
+        self.codec: TextCodec | None = None
+        self.allocator = PageAllocator(config.kv_pages)
+        self.scheduler = Scheduler(self.allocator, config.page_size, config.max_batch_seqs,
+                                   config.max_batch_tokens)
+        self.metrics.kv_pages_total.set(config.kv_pages)
+
+    def _router(self, endpoint: str) -> zmq.Socket:
+        s = self.ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        s.setsockopt(zmq.SNDHWM, CLIENT_HWM)
+        if self.config.curve_keys:
+            auth = security.secure_server(s, self.config.curve_keys)
+            self.auth = self.auth or auth
+        s.bind(endpoint)
+        return s
+
+    @property
+    def endpoint(self) -> str:
+        return self.clients.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    # ---- start and stop ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Spawn local workers (if configured) and wait until every one is READY."""
+        if self.config.spawn_workers:
+            self.workers.spawn_local()
+        model = self.workers.start(self._recv_worker_startup)
+        self.codec = TextCodec(model)
+        self.model = model
+        self.metrics.workers_up.set(self.workers.n_up)
+
+    def _recv_worker_startup(self, timeout_ms: int):
+        if not self.worker_sock.poll(timeout_ms):
+            return None
+        parts = self.worker_sock.recv_multipart(copy=False)
+        try:
+            msg, _ = decode(parts[1:])
+        except ProtocolError as e:
+            self._dropped("worker", e)
+            return None
+        self.workers.note(parts[0].bytes, msg)
+        return parts[0].bytes, msg
+
+    def close(self) -> None:
+        self.workers.stop_local()
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.destroy(linger=0)
+
+    def serve(self, should_stop=lambda: False, drain_seconds: float = 30.0) -> None:
+        """Serve until should_stop() turns true, then drain for up to drain_seconds."""
+        poller = zmq.Poller()
+        poller.register(self.clients, zmq.POLLIN)
+        poller.register(self.worker_sock, zmq.POLLIN)
+        drain_deadline = None
+        last_check = 0.0
+        while True:
+            if should_stop() and not self.draining:
+                self.draining = True
+                drain_deadline = time.monotonic() + drain_seconds
+                log.info("draining %d requests", len(self.requests))
+            if self.draining and (not self.requests or time.monotonic() > drain_deadline):
+                for req in list(self.requests.values()):
+                    self._fail(req, ErrorCode.ABORTED, "the server is shutting down")
+                return
+            busy = bool(self.scheduler.waiting or self.scheduler.running)
+            can_dispatch = busy and len(self.inflight) < self._max_inflight()
+            events = dict(poller.poll(0 if can_dispatch and not self.inflight else 20))
+            if self.worker_sock in events:
+                self._drain(self.worker_sock, self._on_worker)
+            if self.clients in events:
+                self._drain(self.clients, self._on_client)
+            self._dispatch()
+            now = time.monotonic()
+            if now - last_check > 0.1:
+                last_check = now
+                self._check_workers()
+                self._keepalive(now)
+                self._update_gauges()
+
+    def _drain(self, sock: zmq.Socket, handle) -> None:
+        for _ in range(1000):
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity = parts[0].bytes
+            try:
+                msg, frames = decode(parts[1:])
+            except ProtocolError as e:
+                self._dropped("client" if sock is self.clients else "worker", e)
+                if sock is self.clients:
+                    self._send(identity, Error(code=e.code, message=e.message))
+                continue
+            try:
+                handle(identity, msg)
+            except Exception:  # a bug must not take the loop down; say so loudly
+                log.exception("failed to handle %s", type(msg).__name__)
+                if sock is self.clients:
+                    rid = getattr(msg, "request_id", None)
+                    self._send(identity, Error(code="internal", message="internal error",
+                                               request_id=rid))
+
+    def _dropped(self, where: str, e: Exception) -> None:
+        self.metrics.dropped_messages.labels(socket=where).inc()
+        log.warning("dropped a malformed %s message: %s", where, e)
+
+    # ---- clients ----------------------------------------------------------------------------
+
+    def _on_client(self, identity: bytes, msg) -> None:
+        if isinstance(msg, Generate):
+            try:
+                self._admit(identity, msg)
+            except RequestError as e:
+                self.metrics.request_errors.labels(code=e.code).inc()
+                self._send(identity, Error(code=e.code, message=e.message,
+                                           request_id=msg.request_id))
+        elif isinstance(msg, Abort):
+            req = self.requests.get((identity, msg.request_id))
+            if req is not None:
+                self._fail(req, ErrorCode.ABORTED, "aborted by the client")
+        elif isinstance(msg, Status):
+            self._send(identity, StatusReply(status=self.status()))
+        else:
+            self._dropped("client", ProtocolError(f"{type(msg).__name__} is not a client message"))
+            self._send(identity, Error(code="invalid_request",
+                                       message=f"{type(msg).__name__} is not a client message"))
+
+    def _admit(self, identity: bytes, msg: Generate) -> None:
+        msg.check()
+        if self.draining:
+            raise RequestError(ErrorCode.OVERLOADED, "the server is shutting down")
+        if self.failed:
+            raise RequestError(ErrorCode.WORKER_FAILED, self.failed)
+        if (identity, msg.request_id) in self.requests:
+            raise RequestError(ErrorCode.INVALID_REQUEST,
+                               f"request id {msg.request_id!r} is already in use")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise RequestError(ErrorCode.OVERLOADED, "too many requests are queued")
+        prompt = self._prompt_ids(msg)
+        if any(t >= self.model.vocab_size for t in prompt):
+            raise RequestError(ErrorCode.INVALID_REQUEST,
+                               f"token ids must be below the vocabulary size "
+                               f"{self.model.vocab_size}")
+        ctx = self.model.max_context
+        if len(prompt) >= ctx:
+            raise RequestError(ErrorCode.TOO_LONG, f"the prompt has {len(prompt)} tokens; "
+                               f"the model's context is {ctx}")
+        need = self.scheduler.pages_for(min(len(prompt) + msg.max_tokens, ctx))
+        if need > self.config.kv_pages:
+            raise RequestError(
+                ErrorCode.TOO_LONG,
+                f"{len(prompt)} prompt tokens + max_tokens {msg.max_tokens} need {need} KV "
+                f"pages; the pool has {self.config.kv_pages}")
+        req = Request(id=msg.request_id, client=identity, params=msg, prompt_ids=prompt)
+        seed = msg.seed if msg.seed is not None else secrets.randbits(62)
+        for i in range(msg.n):
+            seq = Sequence(
+                id=self.next_seq, request=req, index=i, token_ids=list(prompt),
+                seed=seed if i == 0 else (seed + i * 0x9E3779B97F4A7C15) % (1 << 62),
+                detok=Detokenizer(self.codec, prompt),
+            )
+            self.next_seq += 1
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[(identity, msg.request_id)] = req
+        self.metrics.prompt_tokens.inc(len(prompt) * msg.n)
+
+    def _prompt_ids(self, msg: Generate) -> list[int]:
+        if msg.prompt_token_ids is not None:
+            return list(msg.prompt_token_ids)
+        try:
+            if msg.messages is not None:
+                text = self.codec.render_chat([asdict(m) for m in msg.messages])
+                return self.codec.tokenizer.encode(text, add_special_tokens=False).ids
+            return self.codec.encode(msg.prompt)
+        except Exception as e:
+            raise RequestError(ErrorCode.INVALID_REQUEST, f"cannot tokenize the prompt: {e}")
+
+    def _send(self, identity: bytes, msg) -> bool:
+        """Send to a client; a client that is gone or not reading loses its requests."""
+        try:
+            self.clients.send_multipart([identity, *encode(msg)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
+                raise
+            for req in [r for r in self.requests.values() if r.client == identity]:
+                self._finish_request(req, notify=False)
+                self.metrics.request_errors.labels(code="aborted").inc()
+            log.info("client %s went away; its requests were aborted", identity.hex())
+            return False
+
+    def _keepalive(self, now: float) -> None:
+        for req in list(self.requests.values()):
+            if now - req.last_keepalive >= KEEPALIVE_SECONDS:
+                req.last_keepalive = now
+                self._send(req.client, Chunk(request_id=req.id))
+
+    def status(self) -> dict:
+        c = self.config
+        return {
+            "model": self.model.name if self.codec else None,
+            "exact": c.exact,
+            "workers": self.workers.describe(),
+            "pool": {"page_size": c.page_size, "pages_total": c.kv_pages,
+                     "pages_used": self.allocator.n_used, "pages_free": self.allocator.n_free},
+            "requests": {"running": len(self.scheduler.running),
+                         "waiting": len(self.scheduler.waiting), "parked": 0},
+            "config": {k: v for k, v in asdict(c).items() if k != "curve_keys"},
+        }
+
+    # ---- scheduling and dispatch ------------------------------------------------------------
+
+    def _max_inflight(self) -> int:
+        return len(self.workers.handles) or 1
+
+    def _dispatch(self) -> None:
+        if self.failed:
+            return
+        while len(self.inflight) < self._max_inflight():
+            self._maybe_preempt_all()
+            batch = self.scheduler.schedule()
+            if not batch:
+                if not self.inflight and self._make_room():
+                    continue
+                return
+            self._send_step(batch)
+
+    def _make_room(self) -> bool:
+        """Nothing fits and nothing runs: preempt one sequence so the others can grow."""
+        if not self.scheduler.running:
+            return False
+        victim = self.scheduler.pick_victim()
+        if victim is None:
+            return False
+        self._preempt(victim)
+        return True
+
+    def _maybe_preempt_all(self) -> None:
+        k = self.config.preempt_every
+        if k and self.decode_steps >= k and not self.inflight:
+            self.decode_steps = 0
+            for seq in [s for s in self.scheduler.running if s.n_remaining == 1]:
+                self._preempt(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.scheduler.recompute(seq)
+        self.to_free.append(seq.id)
+        self.metrics.preemptions.labels(action="recompute").inc()
+
+    def _send_step(self, batch: list[tuple[Sequence, int]]) -> None:
+        plans, tokens = [], []
+        for seq, n in batch:
+            seq.in_flight = True
+            sampling = None
+            if not seq.announced:
+                p = seq.request.params
+                sampling = SamplingMsg(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                       seed=seq.seed)
+                seq.announced = True
+            plans.append(SeqPlan(id=seq.id, start=seq.n_computed, n=n,
+                                 pages_add=seq.pages[seq.pages_sent:],
+                                 sample=seq.n_computed + n == len(seq.token_ids),
+                                 sampling=sampling))
+            seq.pages_sent = len(seq.pages)
+            tokens.extend(seq.token_ids[seq.n_computed:seq.n_computed + n])
+            if seq.request.scheduled_time is None:
+                seq.request.scheduled_time = time.monotonic()
+                self.metrics.queue.observe(seq.request.scheduled_time - seq.request.arrival)
+        step = self.next_step
+        self.next_step += 1
+        self.workers.send(Step(step=step, seqs=plans, token_ids=tokens, free=self.to_free))
+        self.to_free = []
+        if all(n == 1 for _, n in batch):
+            self.decode_steps += 1
+        self.inflight[step] = InFlight(batch, time.monotonic())
+
+    # ---- workers ----------------------------------------------------------------------------
+
+    def _on_worker(self, identity: bytes, msg) -> None:
+        handle = self.workers.note(identity, msg)
+        if handle is None:
+            if isinstance(msg, Register):
+                log.warning("a worker registered after start-up (rank %d); ignored", msg.rank)
+            return
+        if isinstance(msg, StepResult):
+            self._on_result(msg)
+        elif isinstance(msg, StepError):
+            rec = self.inflight.pop(msg.step, None)
+            log.error("step %d failed: %s", msg.step, msg.message)
+            if rec is not None:
+                for seq, _ in rec.batch:
+                    seq.in_flight = False
+                    if seq.finish_reason is None:
+                        self._fail(seq.request, ErrorCode.INTERNAL, msg.message)
+        elif isinstance(msg, Ready):
+            log.warning("unexpected READY from worker %d", msg.rank)
+
+    def _on_result(self, msg: StepResult) -> None:
+        rec = self.inflight.pop(msg.step, None)
+        if rec is None:
+            return
+        self.metrics.step_seconds.observe(time.monotonic() - rec.sent)
+        sampled = dict(zip(msg.seq_ids, msg.tokens))
+        touched: dict[int, Request] = {}
+        for seq, n in rec.batch:
+            seq.in_flight = False
+            if seq.finish_reason is not None or seq.request.finished:
+                continue
+            seq.n_computed += n
+            if seq.id in sampled:
+                self._append(seq, sampled[seq.id])
+                touched[id(seq.request)] = seq.request
+        for req in touched.values():
+            if (req.client, req.id) in self.requests:
+                self._emit(req)
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        req, p = seq.request, seq.request.params
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.ttft.observe(now - req.arrival)
+        elif req.last_token_time is not None:
+            self.metrics.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+        self.metrics.generation_tokens.inc()
+        seq.token_ids.append(token)
+        stop_token = (token in self.codec.eos_ids and not p.ignore_eos) or \
+            token in p.stop_token_ids
+        if not stop_token:
+            searched = len(seq.text)
+            seq.text += seq.detok.push(token)
+            cut = find_stop(seq.text, p.stop, searched) if p.stop else None
+            if cut is not None:
+                seq.text = seq.text[:cut]
+                stop_token = True
+        if stop_token:
+            seq.finish_reason = "stop"
+        elif len(seq.generated) >= p.max_tokens or len(seq.token_ids) >= self.model.max_context:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.scheduler.remove(seq)
+            self.to_free.append(seq.id)
+
+    def _emit(self, req: Request) -> None:
+        """Stream what is new, and send the result once every sequence has finished."""
+        if req.params.stream:
+            hold = max((len(s) for s in req.params.stop), default=1) - 1
+            for seq in req.seqs:
+                done = seq.finish_reason is not None
+                new_tokens = seq.generated[seq.sent_tokens:]
+                if seq.final_sent or not (new_tokens or done):
+                    continue
+                upto = len(seq.text) if done else max(seq.sent_text, len(seq.text) - hold)
+                chunk = Chunk(request_id=req.id, index=seq.index, token_ids=new_tokens,
+                              text=seq.text[seq.sent_text:upto], finish_reason=seq.finish_reason)
+                seq.sent_tokens, seq.sent_text, seq.final_sent = len(seq.generated), upto, done
+                req.last_keepalive = time.monotonic()
+                if not self._send(req.client, chunk):
+                    return
+        if req.finished:
+            self._send(req.client, Result(
+                request_id=req.id, prompt_token_ids=req.prompt_ids,
+                choices=[Choice(index=s.index, token_ids=s.generated, text=s.text,
+                                finish_reason=s.finish_reason, preemptions=s.preemptions)
+                         for s in req.seqs],
+                usage=Usage(prompt_tokens=len(req.prompt_ids),
+                            completion_tokens=sum(len(s.generated) for s in req.seqs)),
+            ))
+            self._finish_request(req)
+
+    def _finish_request(self, req: Request, notify: bool = True) -> None:
+        self.requests.pop((req.client, req.id), None)
+        for seq in req.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+            if seq.pages or seq in self.scheduler.waiting or seq in self.scheduler.running:
+                self.scheduler.remove(seq)
+                self.to_free.append(seq.id)
+        if notify:
+            now = time.monotonic()
+            self.metrics.e2e.observe(now - req.arrival)
+            for seq in req.seqs:
+                self.metrics.requests.labels(finish_reason=seq.finish_reason).inc()
+                self.metrics.request_preemptions.observe(seq.preemptions)
+
+    def _fail(self, req: Request, code: ErrorCode, message: str) -> None:
+        self._finish_request(req, notify=False)
+        self.metrics.request_errors.labels(code=code.value).inc()
+        self._send(req.client, Error(code=code.value, message=message, request_id=req.id))
+
+    def _check_workers(self) -> None:
+        dead = self.workers.dead()
+        if not dead:
+            return
+        ranks = ", ".join(str(h.rank) for h in dead)
+        self.failed = f"worker {ranks} stopped; the cluster cannot serve"
+        log.error(self.failed)
+        self.inflight.clear()
+        for req in list(self.requests.values()):
+            self._fail(req, ErrorCode.WORKER_FAILED, self.failed)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.requests_running.set(len(self.scheduler.running))
+        m.requests_waiting.set(len(self.scheduler.waiting))
+        m.kv_pages_used.set(self.allocator.n_used)
+        m.workers_up.set(self.workers.n_up)

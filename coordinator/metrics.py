@@ -1,0 +1,58 @@
+"""Every coordinator metric of the contract (DESIGN.md section 10), in one registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
+                   5.12, 10.24, 20.48, 60.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class CoordinatorMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests_running = Gauge("siding_requests_running", "Sequences running", registry=r)
+        self.requests_waiting = Gauge("siding_requests_waiting", "Sequences queued", registry=r)
+        self.requests_parked = Gauge("siding_requests_parked", "Sequences parked", registry=r)
+        self.kv_pages_used = Gauge("siding_kv_pages_used", "KV pages in use", registry=r)
+        self.kv_pages_total = Gauge("siding_kv_pages_total", "KV pages in the pool", registry=r)
+        self.park_pages_used = Gauge("siding_park_pages_used", "Park store pages in use",
+                                     registry=r)
+        self.preemptions = Counter("siding_preemptions", "Sequences preempted", ["action"],
+                                   registry=r)
+        self.restores = Counter("siding_restores", "Parked sequences restored", registry=r)
+        self.park_bytes = Counter("siding_park_bytes", "Bytes parked and restored",
+                                  ["direction"], registry=r)
+        self.park_seconds = Histogram("siding_park_seconds", "Time of one park or restore",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.request_preemptions = Histogram(
+            "siding_request_preemptions", "Preemptions per finished request",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.ttft = Histogram("siding_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("siding_inter_token_latency_seconds", "Time between tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("siding_e2e_request_latency_seconds", "Request latency",
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.queue = Histogram("siding_request_queue_seconds", "Time queued before first step",
+                               buckets=REQUEST_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("siding_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("siding_generation_tokens", "Generated tokens",
+                                         registry=r)
+        self.requests = Counter("siding_requests", "Finished requests", ["finish_reason"],
+                                registry=r)
+        self.request_errors = Counter("siding_request_errors", "Failed requests", ["code"],
+                                      registry=r)
+        self.step_seconds = Histogram("siding_step_seconds", "Step round trip",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.workers_up = Gauge("siding_workers_up", "Workers alive and ready", registry=r)
+        self.dropped_messages = Counter("siding_dropped_messages", "Malformed messages dropped",
+                                        ["socket"], registry=r)
+        for action in ("park", "recompute"):
+            self.preemptions.labels(action=action)
+        for direction in ("out", "in"):
+            self.park_bytes.labels(direction=direction)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)

@@ -1,0 +1,191 @@
+"""The workers of a cluster: local spawning, the REGISTER/ASSIGN/READY handshake, heartbeats,
+and plan dispatch. Knows sockets and processes, not scheduling."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from protocol.messages import Assign, Heartbeat, ModelInfo, Ready, Register, Shutdown, StepError
+from protocol.wire import encode
+
+from .config import CoordinatorConfig
+
+log = logging.getLogger("siding.coordinator")
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    identity: bytes
+    reg: Register
+    rank: int = -1
+    layers: tuple[int, int] = (0, 0)
+    ready: bool = False
+    alive: bool = True
+    last_seen: float = 0.0
+
+
+class WorkerGroup:
+    def __init__(self, sock: zmq.Socket, config: CoordinatorConfig):
+        self.sock = sock
+        self.config = config
+        self.handles: list[WorkerHandle] = []  # by rank once assigned
+        self.processes: list[subprocess.Popen] = []
+        self.model: ModelInfo | None = None
+
+    # ---- local processes --------------------------------------------------------------------
+
+    def spawn_local(self) -> None:
+        c = self.config
+        endpoint = c.worker_listen.replace("*", "127.0.0.1").replace("0.0.0.0", "127.0.0.1")
+        threads = c.worker_threads or max(1, (os.cpu_count() or 1) // c.workers)
+        for rank, device in enumerate(c.devices):
+            cmd = [sys.executable, "-m", "worker", "--coordinator", endpoint, "--rank", str(rank),
+                   "--device", device, "--threads", str(threads), "--exit-with-parent"]
+            if c.curve_keys:
+                cmd += ["--curve-keys", c.curve_keys]
+            self.processes.append(subprocess.Popen(cmd))
+
+    def stop_local(self, timeout: float = 10.0) -> None:
+        for h in self.handles:
+            self.sock.send_multipart([h.identity, *encode(Shutdown())])
+        deadline = time.monotonic() + timeout
+        for p in self.processes:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    # ---- handshake --------------------------------------------------------------------------
+
+    def start(self, recv) -> ModelInfo:
+        """Run the handshake until every worker is READY. `recv(timeout_ms)` yields
+        (identity, message) pairs from the worker socket or None."""
+        c = self.config
+        deadline = time.monotonic() + c.startup_timeout
+        pending: list[WorkerHandle] = []
+        while len(pending) < c.workers:
+            self._check_deadline(deadline, f"{len(pending)} of {c.workers} workers registered")
+            got = recv(200)
+            if got is None:
+                continue
+            identity, msg = got
+            if isinstance(msg, Register) and not any(h.identity == identity for h in pending):
+                pending.append(WorkerHandle(identity, msg))
+        self._assign(pending)
+        while not all(h.ready for h in self.handles):
+            n_ready = sum(h.ready for h in self.handles)
+            self._check_deadline(deadline, f"{n_ready} of {c.workers} workers loaded")
+            got = recv(200)
+            if got is None:
+                continue
+            identity, msg = got
+            h = self._by_identity(identity)
+            if h is None:
+                continue
+            if isinstance(msg, StepError):
+                raise StartupError(f"worker {h.rank} failed to start: {msg.message}")
+            if isinstance(msg, Ready):
+                h.ready, h.layers, h.last_seen = True, (msg.layer_start, msg.layer_end), \
+                    time.monotonic()
+                if msg.rank == 0:
+                    self.model = msg.model
+        self._check_layers()
+        return self.model
+
+    def _assign(self, pending: list[WorkerHandle]) -> None:
+        c = self.config
+        ranked = sorted((h for h in pending if h.reg.rank >= 0), key=lambda h: h.reg.rank)
+        ranks = [h.reg.rank for h in ranked]
+        if len(set(ranks)) != len(ranks) or any(r >= c.workers for r in ranks):
+            raise StartupError(f"workers asked for ranks {ranks} in a cluster of {c.workers}")
+        free = iter(sorted(set(range(c.workers)) - set(ranks)))
+        for h in pending:
+            h.rank = h.reg.rank if h.reg.rank >= 0 else next(free)
+        self.handles = sorted(pending, key=lambda h: h.rank)
+        for h in self.handles:
+            nxt = self.handles[h.rank + 1].reg.data_endpoint if h.rank + 1 < c.workers else None
+            self.sock.send_multipart([h.identity, *encode(Assign(
+                rank=h.rank, n_workers=c.workers, model=c.model, dtype=c.dtype,
+                page_size=c.page_size, kv_pages=c.kv_pages, park_pages=c.park_pages,
+                kv_mode=c.kv, pipeline_depth=c.pipeline_depth, ring_budget_mib=c.ring_budget_mib,
+                exact=c.exact, next_endpoint=nxt,
+                metrics_port=None if c.metrics_port is None else c.metrics_port + 1 + h.rank,
+            ))])
+            log.info("worker %d: %s pid %d on %s", h.rank, h.reg.device, h.reg.pid,
+                     h.reg.hostname)
+
+    def _check_layers(self) -> None:
+        expect = 0
+        for h in self.handles:
+            if h.layers[0] != expect or h.layers[1] <= h.layers[0]:
+                raise StartupError(f"worker layer ranges do not tile the model: "
+                                   f"{[h.layers for h in self.handles]}")
+            expect = h.layers[1]
+        if self.model is None or expect != self.model.n_layers:
+            raise StartupError("workers did not cover every layer of the model")
+
+    def _check_deadline(self, deadline: float, progress: str) -> None:
+        for p in self.processes:
+            if p.poll() is not None:
+                raise StartupError(f"a worker process exited with code {p.returncode} "
+                                   f"during start-up ({progress})")
+        if time.monotonic() > deadline:
+            raise StartupError(f"workers did not start in {self.config.startup_timeout:.0f}s "
+                               f"({progress})")
+
+    def _by_identity(self, identity: bytes) -> WorkerHandle | None:
+        return next((h for h in self.handles if h.identity == identity), None)
+
+    # ---- serving ----------------------------------------------------------------------------
+
+    def send(self, msg) -> None:
+        frames = encode(msg)
+        for h in self.handles:
+            if h.alive:
+                self.sock.send_multipart([h.identity, *frames])
+
+    def note(self, identity: bytes, msg) -> WorkerHandle | None:
+        """Record liveness for a message from a worker; returns its handle if known."""
+        if isinstance(msg, Heartbeat):
+            h = self.handles[msg.rank] if 0 <= msg.rank < len(self.handles) else None
+        else:
+            h = self._by_identity(identity)
+        if h is not None:
+            h.last_seen = time.monotonic()
+        return h
+
+    def dead(self) -> list[WorkerHandle]:
+        """Workers newly found dead: their process exited or their heartbeats stopped."""
+        now = time.monotonic()
+        found = []
+        for h in self.handles:
+            if not h.alive:
+                continue
+            proc = self.processes[h.rank] if h.rank < len(self.processes) else None
+            exited = proc is not None and proc.poll() is not None
+            if exited or now - h.last_seen > self.config.heartbeat_timeout:
+                h.alive = False
+                found.append(h)
+        return found
+
+    @property
+    def n_up(self) -> int:
+        return sum(h.alive and h.ready for h in self.handles)
+
+    def describe(self) -> list[dict]:
+        return [{"rank": h.rank, "device": h.reg.device, "pid": h.reg.pid,
+                 "host": h.reg.hostname, "layers": list(h.layers), "alive": h.alive}
+                for h in self.handles]
+

@@ -1,0 +1,64 @@
+"""Paged attention: each sequence attends over its pages in logical order.
+
+Pages are gathered by the sequence's page table, so the result depends only on the contents of
+its positions, never on which physical pages hold them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .batch import BatchMeta
+
+
+def gather(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """pool: [n_pages, page, KVH, D], table: [n] -> [length, KVH, D] in logical order."""
+    return pool[table].flatten(0, 1)[:length]
+
+
+def paged_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: BatchMeta, scale: float
+) -> torch.Tensor:
+    """q: [T, H, D]; pools: [n_pages, page, KVH, D] already holding this step's rows."""
+    if meta.decode_only and meta.n_seqs > 1:
+        return _decode_batched(q, k_pool, v_pool, meta, scale)
+    out = torch.empty_like(q)
+    for b in range(meta.n_seqs):
+        lo, hi = meta.query_starts[b], meta.query_starts[b + 1]
+        ctx = meta.context_lens[b]
+        k = gather(k_pool, meta.page_tables[b], ctx)
+        v = gather(v_pool, meta.page_tables[b], ctx)
+        # causal: query row i sits at position ctx - (hi - lo) + i
+        n = hi - lo
+        mask = None
+        if n > 1:
+            kpos = torch.arange(ctx, device=q.device)
+            qpos = torch.arange(ctx - n, ctx, device=q.device)
+            mask = kpos[None, :] <= qpos[:, None]  # [n, ctx]
+        o = F.scaled_dot_product_attention(
+            q[lo:hi].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )  # [H, n, D]
+        out[lo:hi] = o.transpose(0, 1)
+    return out
+
+
+def _decode_batched(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: BatchMeta, scale: float
+) -> torch.Tensor:
+    """One row per sequence: pad every table to the longest and mask the tail."""
+    page = k_pool.shape[1]
+    n_pages = max(t.numel() for t in meta.page_tables)
+    tables = torch.zeros(meta.n_seqs, n_pages, dtype=torch.int64, device=q.device)
+    for b, t in enumerate(meta.page_tables):
+        tables[b, : t.numel()] = t
+    lens = torch.tensor(meta.context_lens, device=q.device)
+    k = k_pool[tables].flatten(1, 2)  # [B, L, KVH, D]
+    v = v_pool[tables].flatten(1, 2)
+    mask = torch.arange(n_pages * page, device=q.device)[None, :] < lens[:, None]  # [B, L]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
+    )  # [B, H, 1, D]
+    return o[:, :, 0, :]

@@ -1,0 +1,54 @@
+"""Per-step tensors, built once from a StepPlan and passed explicitly to every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BatchMeta:
+    positions: torch.Tensor  # [T] int64, absolute position of each row
+    query_starts: list[int]  # [B + 1] row offsets of each sequence in T
+    context_lens: list[int]  # [B] positions held after this step
+    page_tables: list[torch.Tensor]  # B x [n_pages] int64, logical order
+    write_pages: torch.Tensor  # [T] int64, page that receives each row's K/V
+    write_offsets: torch.Tensor  # [T] int64, offset of the row inside that page
+    sample_rows: torch.Tensor  # [N] int64, rows whose logits are sampled
+    decode_only: bool  # every sequence contributes exactly one row
+
+    @property
+    def n_seqs(self) -> int:
+        return len(self.context_lens)
+
+
+def build_meta(
+    starts: list[int], counts: list[int], tables: list[list[int]], samples: list[bool],
+    page_size: int, device: torch.device | str,
+) -> BatchMeta:
+    """starts[b]: position of sequence b's first row; counts[b]: its rows this step."""
+    positions, pages, offsets, sample_rows, query_starts = [], [], [], [], [0]
+    for start, n, table, sample in zip(starts, counts, tables, samples):
+        pos = range(start, start + n)
+        positions.extend(pos)
+        pages.extend(table[p // page_size] for p in pos)
+        offsets.extend(p % page_size for p in pos)
+        query_starts.append(query_starts[-1] + n)
+        if sample:
+            sample_rows.append(query_starts[-1] - 1)
+
+    def t(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    context_lens = [s + n for s, n in zip(starts, counts)]
+    return BatchMeta(
+        positions=t(positions),
+        query_starts=query_starts,
+        context_lens=context_lens,
+        page_tables=[t(table[: -(-c // page_size)]) for table, c in zip(tables, context_lens)],
+        write_pages=t(pages),
+        write_offsets=t(offsets),
+        sample_rows=t(sample_rows),
+        decode_only=all(n == 1 for n in counts),
+    )

@@ -1,0 +1,260 @@
+"""The worker process: register, load a layer range, then run plans in step order.
+
+Sockets: a DEALER to the coordinator for control and results, a PULL bound for the previous
+stage's activations, a PUSH to the next stage. Heartbeats go on a socket of their own from a
+thread, so a long model load or a long step never looks like a dead worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections import deque
+
+import torch
+import zmq
+
+from protocol import security
+from protocol.errors import ProtocolError
+from protocol.messages import (
+    Activations, Assign, Heartbeat, ModelInfo, Ready, Register, Shutdown, Step, StepError,
+    StepResult,
+)
+from protocol.wire import MAX_MESSAGE_BYTES, decode, encode
+
+from .kv_pool import KVPool
+from .loaders import resolve
+from .runner import ModelRunner
+
+log = logging.getLogger("siding.worker")
+
+HEARTBEAT_SECONDS = 0.25
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def layer_range(n_layers: int, n_workers: int, rank: int) -> tuple[int, int]:
+    """Even split; the first n_layers % n_workers ranks take one extra layer."""
+    base, extra = divmod(n_layers, n_workers)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class Worker:
+    def __init__(self, coordinator: str, rank: int, device: str, advertise: str,
+                 curve_keys: str | None, exit_with_parent: bool):
+        self.coordinator = coordinator
+        self.requested_rank = rank
+        self.device = device
+        self.curve_keys = curve_keys
+        self.ctx = zmq.Context()
+        self.ctl = self._dealer()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        port = self.pull.bind_to_random_port(f"tcp://{advertise}")
+        self.data_endpoint = f"tcp://{advertise}:{port}"
+        self.push: zmq.Socket | None = None
+        self.parent = os.getppid() if exit_with_parent else None
+        self.stop = threading.Event()
+        self.plans: deque[Step] = deque()
+        self.arrived: dict[int, Activations | tuple[Activations, torch.Tensor]] = {}
+        self.rank = -1
+        self.runner: ModelRunner | None = None
+
+    def _dealer(self) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        if self.curve_keys:
+            security.secure_client(s, self.curve_keys)
+        s.connect(self.coordinator)
+        return s
+
+    # ---- start-up ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        self.ctl.send_multipart(encode(Register(
+            rank=self.requested_rank, device=self.device, pid=os.getpid(),
+            hostname=socket.gethostname(), data_endpoint=self.data_endpoint,
+        )))
+        assign = self._wait_assign()
+        self.rank = assign.rank
+        threading.Thread(target=self._heartbeat, daemon=True).start()
+        try:
+            ready = self._load(assign)
+        except Exception as e:
+            log.error("worker %d failed to load: %s", self.rank, e)
+            self.ctl.send_multipart(encode(StepError(step=0, code="internal", message=str(e))))
+            time.sleep(0.2)
+            raise SystemExit(1) from None
+        self.ctl.send_multipart(encode(ready))
+        self._serve()
+
+    def _wait_assign(self) -> Assign:
+        while not self.stop.is_set():
+            if self.ctl.poll(500):
+                msg = self._recv(self.ctl)
+                if isinstance(msg, Assign):
+                    return msg
+                if isinstance(msg, Shutdown):
+                    raise SystemExit(0)
+            self._check_parent()
+        raise SystemExit(0)
+
+    def _load(self, a: Assign) -> Ready:
+        t0 = time.perf_counter()
+        source = resolve(a.model)
+        args = source.args
+        if a.layer_start is not None and a.layer_end is not None:
+            start, end = a.layer_start, a.layer_end
+        else:
+            start, end = layer_range(args.n_layers, a.n_workers, a.rank)
+        dtype = resolve_dtype(a.dtype, self.device)
+        stage = source.load_stage(start, end, dtype, self.device)
+        pool = KVPool(end - start, a.kv_pages, a.page_size, args.n_kv_heads, args.head_dim,
+                      dtype, self.device)
+        self.runner = ModelRunner(stage, pool, self.device)
+        self.dtype = dtype
+        self.dim = args.dim
+        if a.next_endpoint:
+            self.push = self.ctx.socket(zmq.PUSH)
+            self.push.setsockopt(zmq.LINGER, 0)
+            self.push.connect(a.next_endpoint)
+        log.info("worker %d: layers [%d, %d) of %s on %s in %.1fs", a.rank, start, end,
+                 source.name, self.device, time.perf_counter() - t0)
+        info = None
+        if a.rank == 0:
+            tok = source.tokenizer
+            info = ModelInfo(
+                name=source.name, n_layers=args.n_layers, vocab_size=args.vocab_size,
+                max_context=args.max_context, tokenizer_json=tok.tokenizer_json,
+                chat_template=tok.chat_template, bos_id=tok.bos_id, add_bos=tok.add_bos,
+                eos_ids=list(tok.eos_ids),
+            )
+        return Ready(rank=a.rank, layer_start=start, layer_end=end, device=self.device,
+                     kv_bytes_per_page=pool.bytes_per_page, model=info)
+
+    # ---- serving ----------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.ctl, zmq.POLLIN)
+        poller.register(self.pull, zmq.POLLIN)
+        while not self.stop.is_set():
+            events = dict(poller.poll(200))
+            if self.ctl in events:
+                msg = self._recv(self.ctl)
+                if isinstance(msg, Step):
+                    self.plans.append(msg)
+                elif isinstance(msg, Shutdown):
+                    return
+            if self.pull in events:
+                self._receive_activations()
+            while self.plans and (self.runner.first or self.plans[0].step in self.arrived):
+                self._run(self.plans.popleft())
+            self._check_parent()
+
+    def _receive_activations(self) -> None:
+        try:
+            msg, frames = decode(self.pull.recv_multipart(copy=False))
+            if not isinstance(msg, Activations):
+                raise ProtocolError(f"expected ACTIVATIONS, got {type(msg).__name__}")
+            if not msg.shape:  # the previous stage failed this step
+                self.arrived[msg.step] = msg
+                return
+            if msg.dtype != str(self.dtype).removeprefix("torch.") or len(msg.shape) != 2:
+                raise ProtocolError(f"activations of dtype {msg.dtype} shape {msg.shape}")
+            raw = torch.frombuffer(bytearray(frames[0]), dtype=torch.uint8)
+            hidden = raw.view(self.dtype).reshape(msg.shape).to(self.device)
+            self.arrived[msg.step] = (msg, hidden)
+        except (ProtocolError, RuntimeError) as e:
+            log.warning("dropped bad activations: %s", e)
+
+    def _run(self, plan: Step) -> None:
+        runner = self.runner
+        upstream = None if runner.first else self.arrived.pop(plan.step)
+        try:
+            meta = runner.apply(plan)
+            if isinstance(upstream, Activations):
+                self._forward_failure(plan.step)
+                return
+            hidden = None if upstream is None else upstream[1]
+            if hidden is not None and hidden.shape != (len(meta.positions), self.dim):
+                raise ProtocolError(f"step {plan.step}: activations do not match the plan")
+            t0 = time.perf_counter()
+            out = runner.forward(plan, meta, hidden)
+            if runner.last:
+                seq_ids, tokens = runner.sample(plan, meta, out)
+                self.ctl.send_multipart(encode(StepResult(
+                    step=plan.step, seq_ids=seq_ids, tokens=tokens,
+                    forward_seconds=time.perf_counter() - t0,
+                )))
+            else:
+                out = out.contiguous().cpu()
+                header = Activations(step=plan.step, dtype=str(self.dtype).removeprefix("torch."),
+                                     shape=list(out.shape))
+                self.push.send_multipart(encode(header, [out.view(torch.uint8).numpy()]),
+                                         copy=False)
+        except Exception as e:  # a bad plan or a failed kernel fails this step, not the worker
+            log.exception("step %d failed", plan.step)
+            self.ctl.send_multipart(encode(StepError(step=plan.step, code="internal",
+                                                     message=f"worker {self.rank}: {e}")))
+            self._forward_failure(plan.step)
+
+    def _forward_failure(self, step: int) -> None:
+        if self.push is not None:
+            self.push.send_multipart(encode(Activations(step=step, dtype="", shape=[])))
+
+    def _recv(self, sock: zmq.Socket):
+        try:
+            msg, _ = decode(sock.recv_multipart(copy=False))
+            return msg
+        except ProtocolError as e:
+            log.warning("dropped a bad message: %s", e)
+            return None
+
+    def _heartbeat(self) -> None:
+        sock = self._dealer()
+        try:
+            while not self.stop.wait(HEARTBEAT_SECONDS):
+                sock.send_multipart(encode(Heartbeat(rank=self.rank)))
+        finally:
+            sock.close()
+
+    def _check_parent(self) -> None:
+        if self.parent is not None and os.getppid() != self.parent:
+            log.warning("coordinator process went away; worker %d exits", self.rank)
+            self.stop.set()
+            raise SystemExit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="siding worker", description="a siding worker process")
+    p.add_argument("--coordinator", default="tcp://127.0.0.1:5556",
+                   help="the coordinator's worker endpoint")
+    p.add_argument("--rank", type=int, default=-1, help="pipeline rank (default: by arrival)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--advertise", default="127.0.0.1",
+                   help="address the previous stage reaches this worker's activation socket on")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    p.add_argument("--curve-keys", default=None, help="directory with CURVE keys")
+    p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--debug", action="store_true")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s worker %(levelname)s %(message)s")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    Worker(a.coordinator, a.rank, a.device, a.advertise, a.curve_keys, a.exit_with_parent).run()
