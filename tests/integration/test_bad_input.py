@@ -1,0 +1,110 @@
+"""Bad input gets a clear error or is dropped; the cluster keeps serving everyone else."""
+
+import os
+import pickle
+import threading
+
+import msgpack
+import pytest
+import zmq
+
+from protocol import Client, RequestError
+from protocol.wire import MAX_MESSAGE_BYTES, VERSION
+
+
+@pytest.fixture(scope="module")
+def cluster(launch):
+    return launch("--model", "smollm2-135m", "--workers", "2", "--kv-pages", "64")
+
+
+def raw_exchange(endpoint: str, frames: list[bytes], wait_ms: int = 5000):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart(frames)
+        if not sock.poll(wait_ms):
+            return None
+        return sock.recv_multipart()
+    finally:
+        sock.close()
+
+
+def error_of(reply) -> dict:
+    assert reply is not None, "no reply"
+    assert reply[0] == VERSION and reply[1] == bytes([0x1F]), reply[:2]
+    return msgpack.unpackb(reply[2])
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/siding-pwned",))
+
+
+GENERATE = bytes([0x01])
+CASES = {
+    "malformed_msgpack": [VERSION, GENERATE, b"\xc1\xff\x00"],
+    "pickle_payload": [VERSION, GENERATE, pickle.dumps(Evil())],
+    "unknown_version": [b"SIDING/9", GENERATE, msgpack.packb({"request_id": "a"})],
+    "unknown_type": [VERSION, bytes([0x77]), msgpack.packb({})],
+    "too_few_frames": [VERSION],
+    "trailing_garbage": [VERSION, GENERATE, msgpack.packb({"request_id": "a", "prompt": "x"})
+                         + b"junk"],
+    "wrong_field_type": [VERSION, GENERATE, msgpack.packb({"request_id": "a", "prompt": 5})],
+    "unknown_field": [VERSION, GENERATE, msgpack.packb({"request_id": "a", "prompt": "x",
+                                                        "sneaky": 1})],
+    "extra_raw_frame": [VERSION, GENERATE, msgpack.packb({"request_id": "a", "prompt": "x"}),
+                        b"extra"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_malformed_messages_get_an_invalid_request_error(cluster, name):
+    if os.path.exists("/tmp/siding-pwned"):
+        os.remove("/tmp/siding-pwned")
+    err = error_of(raw_exchange(cluster.endpoint, CASES[name]))
+    assert err["code"] == "invalid_request"
+    assert err["message"]
+    assert not os.path.exists("/tmp/siding-pwned")
+
+
+def test_oversized_message_is_dropped_and_the_cluster_serves_on(cluster):
+    big = b"x" * (MAX_MESSAGE_BYTES + 1)
+    assert raw_exchange(cluster.endpoint, [VERSION, GENERATE, big], wait_ms=2000) is None
+    with Client(cluster.endpoint, timeout=60) as c:
+        assert "Paris" in c.generate("The capital of France is", max_tokens=8).text
+
+
+@pytest.mark.parametrize("kwargs,code,words", [
+    ({"prompt": ""}, "invalid_request", "empty"),
+    ({"prompt": "hi", "max_tokens": 0}, "invalid_request", "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -3}, "invalid_request", "max_tokens"),
+    ({"prompt": "word " * 9000}, "too_long", "context"),
+    ({"prompt_token_ids": [1, 2, 10**6]}, "invalid_request", "vocabulary"),
+    ({"prompt": "hi", "top_p": 0.0}, "invalid_request", "top_p"),
+    ({"prompt": "hi", "max_tokens": 10**6}, "too_long", "pages"),
+])
+def test_impossible_requests_get_a_clear_error(cluster, kwargs, code, words):
+    with Client(cluster.endpoint, timeout=60) as c:
+        prompt = kwargs.pop("prompt", None)
+        with pytest.raises(RequestError) as e:
+            c.generate(prompt, **kwargs)
+    assert e.value.code == code
+    assert words in e.value.message
+
+
+def test_bad_input_does_not_disturb_a_request_in_flight(cluster):
+    result = {}
+
+    def good():
+        with Client(cluster.endpoint, timeout=120) as c:
+            result["r"] = c.generate("The capital of France is", max_tokens=24, ignore_eos=True)
+
+    t = threading.Thread(target=good)
+    t.start()
+    for frames in CASES.values():
+        raw_exchange(cluster.endpoint, frames, wait_ms=1000)
+    t.join(120)
+    assert len(result["r"].token_ids) == 24
+    with Client(cluster.endpoint, timeout=60) as c:
+        assert c.status()["workers"][1]["alive"] is True

@@ -1,0 +1,86 @@
+"""32 concurrent streaming clients, and clients that vanish mid-stream."""
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from protocol import Client
+from protocol.messages import Generate
+from protocol.wire import encode
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):",
+           "The three primary colors are", "My favourite food is", "Water boils at",
+           "In 1492,", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def cluster(launch):
+    return launch("--model", "smollm2-135m", "--workers", "2", "--kv-pages", "256")
+
+
+def pages_used(endpoint: str) -> int:
+    with Client(endpoint, timeout=30) as c:
+        return c.status()["pool"]["pages_used"]
+
+
+def wait_for_pages(endpoint: str, expected: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while (used := pages_used(endpoint)) != expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return used
+
+
+def test_32_concurrent_streaming_clients_all_complete(cluster):
+    with Client(cluster.endpoint, timeout=120) as c:
+        solo = {p: c.generate(p, max_tokens=12, ignore_eos=True).token_ids for p in PROMPTS}
+    results, errors = {}, []
+
+    def client(i: int) -> None:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        try:
+            with Client(cluster.endpoint, timeout=120) as c:
+                chunks = list(c.stream(prompt, max_tokens=12, ignore_eos=True))
+            results[i] = (prompt, chunks)
+        except Exception as e:  # collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert errors == []
+    assert len(results) == 32
+    for prompt, chunks in results.values():
+        ids = [t for ch in chunks for t in ch.token_ids]
+        assert chunks[-1].finish_reason == "length"
+        assert all(ch.finish_reason is None for ch in chunks[:-1])
+        assert ids == solo[prompt]
+    assert wait_for_pages(cluster.endpoint, 0) == 0
+
+
+def test_client_that_disconnects_mid_stream_frees_its_pages(cluster):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.endpoint)
+    sock.send_multipart(encode(Generate(request_id="gone", prompt="Tell me a long story.",
+                                        max_tokens=2000, ignore_eos=True, stream=True)))
+    assert sock.poll(60_000), "no chunk arrived"
+    sock.recv_multipart()
+    assert pages_used(cluster.endpoint) > 0
+    sock.close()
+    assert wait_for_pages(cluster.endpoint, 0) == 0
+    with Client(cluster.endpoint, timeout=60) as c:  # and everyone else is still served
+        assert "Paris" in c.generate("The capital of France is", max_tokens=8).text
+
+
+def test_abort_mid_stream_ends_the_request_and_frees_pages(cluster):
+    with Client(cluster.endpoint, timeout=60) as c:
+        stream = c.stream("Count to one thousand:", max_tokens=2000, ignore_eos=True)
+        first = next(stream)
+        assert first.token_ids
+        stream.close()  # sends an Abort
+        assert wait_for_pages(cluster.endpoint, 0) == 0
