@@ -1,0 +1,131 @@
+"""The asyncio client: many requests in flight on one socket, replies routed by request id."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from .client import (
+    DEFAULT_ENDPOINT,
+    ClientBase,
+    Completion,
+    StreamChunk,
+    build_generate,
+    completion,
+)
+from .errors import ErrorCode, ProtocolError
+from .messages import Abort, Chunk, Generate, Status
+from .wire import decode, encode
+
+
+class AsyncClient(ClientBase):
+    """`Client`'s methods as coroutines, safe to call concurrently from tasks of one loop.
+
+    One reader task receives every reply and queues it for the request it belongs to. Status
+    replies carry no request id, so status calls run one at a time.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        *,
+        timeout: float | None = 600.0,
+        curve_server_key: bytes | None = None,
+        curve_keys_dir: str | None = None,
+    ):
+        super().__init__(
+            zmq.asyncio.Context.instance(), asyncio.Queue, endpoint, timeout, curve_server_key,
+            curve_keys_dir,
+        )
+        self._status_lock = asyncio.Lock()
+        self._reader: asyncio.Task | None = None
+
+    async def generate(self, prompt: str | None = None, **options: Any) -> Completion:
+        msg = build_generate(prompt, **options)
+        async with self._request(msg):
+            reply = await self._next(msg.request_id)
+            while isinstance(reply, Chunk):  # a non-streaming request's chunks say nothing new
+                reply = await self._next(msg.request_id)
+        return completion(reply)
+
+    def stream(self, prompt: str | None = None, **options: Any) -> AsyncIterator[StreamChunk]:
+        """Chunks as they come, until the Result; closing the iterator early aborts the request."""
+        return self._stream(build_generate(prompt, stream=True, **options))
+
+    async def chat(self, messages: list[dict[str, str]], **options: Any) -> Completion:
+        return await self.generate(messages=messages, **options)
+
+    def chat_stream(
+        self, messages: list[dict[str, str]], **options: Any
+    ) -> AsyncIterator[StreamChunk]:
+        return self.stream(messages=messages, **options)
+
+    async def abort(self, request_id: str) -> None:
+        await self._send(Abort(request_id))
+
+    async def status(self) -> dict:
+        async with self._status_lock, self._request(Status()):
+            return (await self._next(None)).status
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        self._replies.fail_all(ErrorCode.INTERNAL, "the client was closed")
+        self._socket.close(linger=0)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _stream(self, msg: Generate) -> AsyncIterator[StreamChunk]:
+        async with self._request(msg):
+            while isinstance(reply := await self._next(msg.request_id), Chunk):
+                yield reply
+
+    @contextlib.asynccontextmanager
+    async def _request(self, msg: Any) -> AsyncIterator[None]:
+        key = getattr(msg, "request_id", None)
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._replies.open(key)
+        try:
+            await self._send(msg)
+            yield
+        finally:
+            self._finish(key)
+
+    async def _send(self, msg: Any) -> None:
+        try:
+            await self._socket.send_multipart(encode(msg))
+        except zmq.Again:
+            raise self._no_reply(getattr(msg, "request_id", None)) from None
+
+    async def _next(self, key: str | None) -> Any:
+        try:
+            reply = await asyncio.wait_for(self._replies.queue(key).get(), self.timeout)
+        except asyncio.TimeoutError:
+            raise self._no_reply(key) from None
+        return self._replies.take(key, reply)
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                parts = await self._socket.recv_multipart(copy=False)
+            except zmq.ZMQError as e:
+                self._replies.fail_all(ErrorCode.INTERNAL, f"lost {self.endpoint}: {e}")
+                return
+            try:
+                msg, _ = decode(parts)
+            except ProtocolError as e:  # no way to tell whose it was: fail every waiting call
+                self._replies.fail_all(ErrorCode.INVALID_REQUEST, self._malformed(e))
+                continue
+            self._replies.deliver(msg)

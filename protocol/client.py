@@ -1,0 +1,305 @@
+"""The synchronous client, and what it shares with the asyncio one (`ClientBase`): building a
+request from a call's options, sorting replies by the call waiting on them, and turning results
+and errors into return values and exceptions.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import zmq
+
+from .errors import ErrorCode, ProtocolError, RequestError
+from .messages import (
+    Abort,
+    Choice,
+    Chunk,
+    Error,
+    Generate,
+    Result,
+    Status,
+    StatusReply,
+    from_header,
+)
+from .security import secure_client
+from .wire import MAX_MESSAGE_BYTES, decode, encode
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
+
+# The wire types are the public ones: they hold exactly the fields a caller reads, validated.
+CompletionChoice = Choice  # index, token_ids, text, finish_reason, preemptions
+StreamChunk = Chunk  # request_id, index (of the choice), new token_ids and text, finish_reason
+
+
+@dataclass
+class Completion:
+    request_id: str
+    choices: list[CompletionChoice]  # by index
+    prompt_token_ids: list[int]
+    usage: dict[str, int]  # prompt_tokens, completion_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def finish_reason(self) -> str:
+        return self.choices[0].finish_reason
+
+
+def build_generate(
+    prompt: str | None = None,
+    *,
+    prompt_token_ids: Sequence[int] | None = None,
+    messages: Sequence[dict[str, str]] | None = None,
+    max_tokens: int = 16,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+    priority: int = 0,
+    n: int = 1,
+    request_id: str | None = None,
+    stream: bool = False,
+) -> Generate:
+    """The Generate message for a call's options, checked as the server checks it.
+
+    Give one of `prompt`, `prompt_token_ids` or `messages` (chat: role/content maps, rendered
+    with the model's chat template). Bad options raise ProtocolError (`invalid_request`) before
+    anything is sent.
+    """
+    header = {
+        "request_id": uuid.uuid4().hex if request_id is None else request_id,
+        "prompt": prompt,
+        "prompt_token_ids": None if prompt_token_ids is None else list(prompt_token_ids),
+        "messages": None if messages is None else list(messages),
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "seed": seed,
+        "stop": [stop] if isinstance(stop, str) else list(stop or ()),
+        "stop_token_ids": list(stop_token_ids or ()),
+        "ignore_eos": ignore_eos,
+        "priority": priority,
+        "n": n,
+        "stream": stream,
+    }
+    msg = from_header(Generate, header)
+    msg.check()
+    return msg
+
+
+def completion(result: Result) -> Completion:
+    return Completion(
+        request_id=result.request_id,
+        choices=sorted(result.choices, key=lambda c: c.index),
+        prompt_token_ids=result.prompt_token_ids,
+        usage=asdict(result.usage),
+    )
+
+
+class Replies:
+    """Replies from the server, queued per waiting call: a request id, or None for status.
+
+    Replies to requests no call waits on (finished, given up) are dropped.
+    """
+
+    def __init__(self, new_queue: Callable[[], Any]):  # queue.SimpleQueue or asyncio.Queue
+        self._new_queue = new_queue
+        self._queues: dict[str | None, Any] = {}
+
+    def open(self, key: str | None) -> None:
+        if key in self._queues:
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST, f"request {key!r} is already in flight", key
+            )
+        self._queues[key] = self._new_queue()
+
+    def queue(self, key: str | None) -> Any:
+        return self._queues[key]
+
+    def close(self, key: str | None) -> bool:
+        """Forget `key`; True if the server may still be working on it."""
+        return self._queues.pop(key, None) is not None
+
+    def deliver(self, msg: Any) -> None:
+        if isinstance(msg, Chunk) and not (msg.token_ids or msg.text or msg.finish_reason):
+            return  # a keepalive, which non-streaming requests get too
+        if isinstance(msg, Error) and msg.request_id is None:
+            self.fail_all(msg.code, msg.message)  # the server could not read a message of ours
+        elif isinstance(msg, StatusReply):
+            self._put(None, msg)
+        elif isinstance(msg, (Chunk, Result, Error)):
+            self._put(msg.request_id, msg)
+
+    def fail_all(self, code: str, message: str) -> None:
+        for key, q in self._queues.items():
+            q.put_nowait(RequestError(code, message, key))
+
+    def take(self, key: str | None, reply: Any) -> Chunk | Result | StatusReply:
+        """Hand a queued reply to its call: errors raise, and a final reply closes the request."""
+        if isinstance(reply, RequestError):
+            raise reply
+        if isinstance(reply, (Result, StatusReply, Error)):
+            self.close(key)
+        if isinstance(reply, Error):
+            raise RequestError(reply.code, reply.message, key)
+        return reply
+
+    def _put(self, key: str | None, msg: Any) -> None:
+        q = self._queues.get(key)
+        if q is not None:
+            q.put_nowait(msg)
+
+
+class ClientBase:
+    """One DEALER socket to the coordinator and the replies waiting on it."""
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        new_queue: Callable[[], Any],
+        endpoint: str,
+        timeout: float | None,
+        curve_server_key: bytes | None,
+        curve_keys_dir: str | None,
+    ):
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout}")
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._replies = Replies(new_queue)
+        socket = context.socket(zmq.DEALER)
+        socket.linger = 0
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        if timeout is not None:
+            socket.sndtimeo = max(1, round(timeout * 1000))  # ms
+        if curve_keys_dir is not None or curve_server_key is not None:
+            secure_client(socket, curve_keys_dir, curve_server_key)
+        socket.connect(endpoint)
+        self._socket = socket
+        # A blocking-API view of the same socket, for aborts sent from `finally` blocks (also of
+        # a cancelled task), which must neither await nor block.
+        self._plain_socket = zmq.Socket.shadow(socket.underlying)
+
+    def _no_reply(self, key: str | None) -> RequestError:
+        return RequestError(
+            ErrorCode.INTERNAL, f"no reply from {self.endpoint} within {self.timeout:g}s", key
+        )
+
+    def _malformed(self, error: ProtocolError) -> str:
+        return f"malformed reply from {self.endpoint}: {error.message}"
+
+    def _finish(self, key: str | None) -> None:
+        """A call stops waiting on `key`; abort the request if the server may still run it."""
+        if not self._replies.close(key) or key is None or self._socket.closed:
+            return
+        try:
+            self._plain_socket.send_multipart(encode(Abort(key)), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # best effort: the server also aborts requests of clients that went away
+
+
+class Client(ClientBase):
+    """A blocking client; one call at a time per instance (streams may stay open meanwhile).
+
+    `timeout` bounds every wait for a request's next piece of output: the Result of `generate`,
+    each chunk of `stream` (keepalives do not count). Past it the request is aborted and
+    RequestError(`internal`) raised. Options of `generate` and `stream`: see `build_generate`.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        *,
+        timeout: float | None = 600.0,
+        curve_server_key: bytes | None = None,
+        curve_keys_dir: str | None = None,
+    ):
+        super().__init__(
+            zmq.Context.instance(), queue.SimpleQueue, endpoint, timeout, curve_server_key,
+            curve_keys_dir,
+        )
+
+    def generate(self, prompt: str | None = None, **options: Any) -> Completion:
+        msg = build_generate(prompt, **options)
+        with self._request(msg):
+            reply = self._next(msg.request_id)
+            while isinstance(reply, Chunk):  # a non-streaming request's chunks say nothing new
+                reply = self._next(msg.request_id)
+        return completion(reply)
+
+    def stream(self, prompt: str | None = None, **options: Any) -> Iterator[StreamChunk]:
+        """Chunks as they come, until the Result; closing the iterator early aborts the request."""
+        return self._stream(build_generate(prompt, stream=True, **options))
+
+    def chat(self, messages: list[dict[str, str]], **options: Any) -> Completion:
+        return self.generate(messages=messages, **options)
+
+    def chat_stream(self, messages: list[dict[str, str]], **options: Any) -> Iterator[StreamChunk]:
+        return self.stream(messages=messages, **options)
+
+    def abort(self, request_id: str) -> None:
+        self._send(Abort(request_id))
+
+    def status(self) -> dict:
+        with self._request(Status()):
+            return self._next(None).status
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _stream(self, msg: Generate) -> Iterator[StreamChunk]:
+        with self._request(msg):
+            while isinstance(reply := self._next(msg.request_id), Chunk):
+                yield reply
+
+    @contextmanager
+    def _request(self, msg: Any) -> Iterator[None]:
+        key = getattr(msg, "request_id", None)
+        self._replies.open(key)
+        try:
+            self._send(msg)
+            yield
+        finally:
+            self._finish(key)
+
+    def _send(self, msg: Any) -> None:
+        try:
+            self._socket.send_multipart(encode(msg))
+        except zmq.Again:
+            raise self._no_reply(getattr(msg, "request_id", None)) from None
+
+    def _next(self, key: str | None) -> Any:
+        pending = self._replies.queue(key)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while pending.empty():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._socket.poll(None if left is None else round(left * 1000)):  # ms
+                raise self._no_reply(key)
+            try:
+                msg, _ = decode(self._socket.recv_multipart(copy=False))
+            except ProtocolError as e:
+                raise RequestError(ErrorCode.INVALID_REQUEST, self._malformed(e), key) from None
+            self._replies.deliver(msg)
+        return self._replies.take(key, pending.get_nowait())

@@ -1,0 +1,140 @@
+"""Binding policy and CURVE: who may listen where, and the keys that let them.
+
+A keys directory, as `generate_keys` writes it:
+
+    server.key  server.key_secret    the coordinator's keypair
+    client.key  client.key_secret    a keypair for clients
+    authorized/                      optional: the client public keys (*.key) the server accepts
+
+Without `authorized/`, the server accepts every public key `*.key` in the directory except its
+own. With it, only the keys inside it, so keys can be added and revoked apart from the keypairs.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import zmq
+from zmq.auth import create_certificates, load_certificate
+from zmq.auth.thread import ThreadAuthenticator
+
+SERVER = "server"
+CLIENT = "client"
+AUTHORIZED = "authorized"
+
+
+def is_loopback(endpoint: str) -> bool:
+    """Whether only this machine can reach `endpoint` (ipc:// and inproc:// always can)."""
+    transport, _, address = endpoint.partition("://")
+    if transport in ("ipc", "inproc"):
+        return True
+    if transport != "tcp":
+        return False
+    host = address.rpartition(":")[0].removeprefix("[").removesuffix("]")
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:  # "*", an interface name or a host name
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def check_bind(endpoint: str, curve_keys: str | None, insecure: bool) -> None:
+    """Refuse to listen beyond this machine without CURVE keys, unless told `insecure`."""
+    if is_loopback(endpoint) or curve_keys or insecure:
+        return
+    raise ValueError(
+        f"binding {endpoint} needs --curve-keys DIR (see `siding keys`) or --insecure"
+    )
+
+
+def generate_keys(keys_dir: str | os.PathLike) -> Path:
+    """Write a server and a client keypair into `keys_dir`; never overwrites existing keys."""
+    path = Path(keys_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    existing = [p.name for name in (SERVER, CLIENT) for p in path.glob(f"{name}.key*")]
+    if existing:
+        raise FileExistsError(f"{path} already holds keys ({', '.join(sorted(existing))})")
+    for name in (SERVER, CLIENT):
+        _, secret_file = create_certificates(path, name)
+        os.chmod(secret_file, 0o600)  # zmq writes it with the umask's permissions
+    return path
+
+
+def secure_server(socket: zmq.Socket, keys_dir: str | os.PathLike) -> ThreadAuthenticator:
+    """Make `socket` a CURVE server that accepts only the authorized client keys.
+
+    Call before binding. Returns the started authenticator; stop it when the socket closes. A
+    context holds one authenticator, so give each secured server socket a context of its own.
+    """
+    path = Path(keys_dir)
+    public, secret = _keypair(path / f"{SERVER}.key_secret")
+    allowed = _authorized_keys(path)
+    auth = ThreadAuthenticator(socket.context)
+    auth.start()
+    auth.configure_curve_callback(
+        domain="*", credentials_provider=SimpleNamespace(callback=lambda _, key: key in allowed)
+    )
+    socket.curve_publickey = public
+    socket.curve_secretkey = secret
+    socket.curve_server = True
+    return auth
+
+
+def secure_client(
+    socket: zmq.Socket, keys_dir: str | os.PathLike | None, server_key: bytes | None = None
+) -> None:
+    """Make `socket` a CURVE client: its keypair and the server's public key from `keys_dir`.
+
+    `server_key` (Z85) overrides the server key found there; without `keys_dir` the client uses
+    a fresh keypair, which only a server that accepts any client key lets in. Call before
+    connecting.
+    """
+    if keys_dir is not None:
+        path = Path(keys_dir)
+        public, secret = _keypair(path / f"{CLIENT}.key_secret")
+        if server_key is None:
+            server_key = _public_key(path / f"{SERVER}.key")
+    else:
+        public, secret = zmq.curve_keypair()
+    if server_key is None:
+        raise ValueError("a CURVE client needs the server's public key or a keys directory")
+    socket.curve_publickey = public
+    socket.curve_secretkey = secret
+    socket.curve_serverkey = server_key
+
+
+def _authorized_keys(keys_dir: Path) -> frozenset[bytes]:
+    """Z85 public keys of the clients the server accepts (see the module docstring)."""
+    where = keys_dir / AUTHORIZED
+    if not where.is_dir():
+        where = keys_dir
+    files = sorted(p for p in where.glob("*.key") if p != keys_dir / f"{SERVER}.key")
+    if not files:
+        raise ValueError(f"no client public keys (*.key) in {where}")
+    return frozenset(_public_key(f) for f in files)
+
+
+def _keypair(secret_file: Path) -> tuple[bytes, bytes]:
+    public, secret = _load(secret_file)
+    if secret is None:
+        raise ValueError(f"{secret_file} holds no secret key")
+    return public, secret
+
+
+def _public_key(key_file: Path) -> bytes:
+    return _load(key_file)[0]
+
+
+def _load(key_file: Path) -> tuple[bytes, bytes | None]:
+    try:
+        return load_certificate(key_file)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"cannot read CURVE key {key_file} ({e}); create keys with `siding keys DIR`"
+        ) from None

@@ -1,0 +1,339 @@
+"""Client and AsyncClient against a scripted ROUTER on a random loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import queue
+import random
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from protocol import AsyncClient, Client, ErrorCode, ProtocolError, RequestError
+from protocol.client import Completion
+from protocol.messages import (
+    Abort,
+    ChatMessage,
+    Choice,
+    Chunk,
+    Error,
+    Generate,
+    Result,
+    Status,
+    StatusReply,
+    Usage,
+)
+from protocol.wire import decode, encode
+
+Script = Callable[[Any], list[Any]]  # message received -> replies (messages or raw frame lists)
+
+
+class FakeServer:
+    """A ROUTER that records what it receives and answers each message with `script(msg)`."""
+
+    def __init__(self, script: Script):
+        self.script = script
+        self.received: queue.Queue = queue.Queue()
+        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._socket.linger = 0
+        self.endpoint = f"tcp://127.0.0.1:{self._socket.bind_to_random_port('tcp://127.0.0.1')}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def next(self, timeout: float = 5.0) -> Any:
+        return self.received.get(timeout=timeout)
+
+    def nothing_more(self, wait: float = 0.3) -> bool:
+        try:
+            self.received.get(timeout=wait)
+        except queue.Empty:
+            return True
+        return False
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._socket.close()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._socket.poll(10):
+                continue
+            identity, *parts = self._socket.recv_multipart()
+            msg, _ = decode(parts)
+            self.received.put(msg)
+            for reply in self.script(msg):
+                frames = reply if isinstance(reply, list) else encode(reply)
+                self._socket.send_multipart([identity, *frames])
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Script], FakeServer]]:
+    servers: list[FakeServer] = []
+
+    def start(script: Script) -> FakeServer:
+        servers.append(FakeServer(script))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def keepalive(request_id: str) -> Chunk:
+    return Chunk(request_id=request_id)
+
+
+def result(request_id: str, token_ids: list[int], text: str) -> Result:
+    return Result(
+        request_id=request_id,
+        prompt_token_ids=[1, 2, 3],
+        choices=[Choice(0, token_ids, text, "length", 0)],
+        usage=Usage(prompt_tokens=3, completion_tokens=len(token_ids)),
+    )
+
+
+def test_generate_returns_the_result_and_ignores_keepalives_and_strangers(serve):
+    def script(msg):
+        rid = msg.request_id
+        return [keepalive(rid), result("someone-else", [9], "x"), keepalive(rid),
+                result(rid, [5, 6], "ab")]
+
+    server = serve(script)
+    with Client(server.endpoint, timeout=5) as c:
+        r = c.generate("Hello", max_tokens=2, stop="\n", seed=7, request_id="r1")
+    assert r == Completion(
+        request_id="r1",
+        choices=[Choice(0, [5, 6], "ab", "length", 0)],
+        prompt_token_ids=[1, 2, 3],
+        usage={"prompt_tokens": 3, "completion_tokens": 2},
+    )
+    assert (r.token_ids, r.text, r.finish_reason) == ([5, 6], "ab", "length")
+    assert server.next() == Generate(
+        request_id="r1", prompt="Hello", max_tokens=2, stop=["\n"], seed=7, stream=False
+    )
+    assert server.nothing_more()  # no Abort for a request that finished
+
+
+def test_invalid_options_raise_before_anything_is_sent(serve):
+    server = serve(lambda msg: [])
+    with Client(server.endpoint, timeout=5) as c:
+        with pytest.raises(ProtocolError, match="max_tokens"):
+            c.generate("Hello", max_tokens=0)
+        with pytest.raises(ProtocolError, match="exactly one of prompt"):
+            c.generate("Hello", prompt_token_ids=[1])
+    assert server.nothing_more()
+
+
+def test_stream_yields_chunks_in_order_and_ends_on_the_result(serve):
+    def script(msg):
+        rid = msg.request_id
+        return [Chunk(rid, 0, [5], "a"), keepalive(rid), Chunk(rid, 0, [6], "b"),
+                Chunk(rid, 0, [], "", "stop"), result(rid, [5, 6], "ab")]
+
+    server = serve(script)
+    with Client(server.endpoint, timeout=5) as c:
+        chunks = list(c.stream(prompt_token_ids=[1, 2], request_id="s1"))
+    assert chunks == [
+        Chunk("s1", 0, [5], "a"), Chunk("s1", 0, [6], "b"), Chunk("s1", 0, [], "", "stop"),
+    ]
+    assert server.next().stream is True
+    assert server.nothing_more()
+
+
+@pytest.mark.parametrize("how", ["close", "garbage_collect"])
+def test_stopping_a_stream_early_aborts_it(serve, how):
+    server = serve(lambda msg: [Chunk(msg.request_id, 0, [i], str(i)) for i in range(3)]
+                   if isinstance(msg, Generate) else [])
+    with Client(server.endpoint, timeout=5) as c:
+        chunks = c.stream("Once", request_id="s2")
+        assert next(chunks) == Chunk("s2", 0, [0], "0")
+        if how == "close":
+            chunks.close()
+        else:
+            del chunks
+            gc.collect()
+        assert isinstance(server.next(), Generate)
+        assert server.next() == Abort("s2")
+
+
+def test_an_open_stream_keeps_its_chunks_while_another_call_runs(serve):
+    def script(msg):
+        if msg.request_id == "a":
+            return [Chunk("a", 0, [1], "1")]
+        return [Chunk("a", 0, [2], "2"), result("b", [7], "7"), Chunk("a", 0, [3], "3"),
+                result("a", [1, 2, 3], "123")]
+
+    server = serve(script)
+    with Client(server.endpoint, timeout=5) as c:
+        a = c.stream("A", request_id="a")
+        assert next(a) == Chunk("a", 0, [1], "1")
+        assert c.generate("B", request_id="b").text == "7"
+        assert list(a) == [Chunk("a", 0, [2], "2"), Chunk("a", 0, [3], "3")]
+
+
+def test_chat_sends_messages(serve):
+    server = serve(lambda msg: [result(msg.request_id, [4], "Hello!")])
+    with Client(server.endpoint, timeout=5) as c:
+        assert c.chat([{"role": "user", "content": "Hi"}], max_tokens=4).text == "Hello!"
+    sent = server.next()
+    assert (sent.messages, sent.prompt, sent.max_tokens) == ([ChatMessage("user", "Hi")], None, 4)
+
+
+def test_status_returns_the_status_map(serve):
+    status = {"workers": [{"rank": 0, "device": "cpu"}], "pool": {"free_pages": 10}}
+    server = serve(lambda msg: [StatusReply(status)])
+    with Client(server.endpoint, timeout=5) as c:
+        assert c.status() == status
+    assert server.next() == Status()
+
+
+def test_an_error_reply_raises_request_error_with_its_code_and_message(serve):
+    message = "the prompt needs 9000 tokens; the context holds 8192"
+    server = serve(lambda msg: [keepalive(msg.request_id), Error("too_long", message, "e1")])
+    with Client(server.endpoint, timeout=5) as c, pytest.raises(RequestError) as e:
+        c.generate("x" * 9000, request_id="e1")
+    assert (e.value.code, e.value.message, e.value.request_id) == ("too_long", message, "e1")
+    server.next()
+    assert server.nothing_more()  # the server is done with it: no Abort
+
+
+def test_an_error_tied_to_no_request_fails_the_waiting_call(serve):
+    server = serve(lambda msg: [Error("invalid_request", "malformed header: ExtraData", None)])
+    with Client(server.endpoint, timeout=5) as c, pytest.raises(RequestError) as e:
+        c.generate("x", request_id="e2")
+    assert (e.value.code, e.value.message) == ("invalid_request", "malformed header: ExtraData")
+
+
+def test_no_reply_within_the_timeout_raises_and_aborts(serve):
+    server = serve(lambda msg: [])
+    with Client(server.endpoint, timeout=0.2) as c, pytest.raises(RequestError) as e:
+        c.generate("x", request_id="t1")
+    assert e.value.code == ErrorCode.INTERNAL
+    assert e.value.message == f"no reply from {server.endpoint} within 0.2s"
+    assert isinstance(server.next(), Generate)
+    assert server.next() == Abort("t1")
+
+
+def test_keepalives_do_not_extend_the_timeout(serve):
+    def script(msg):
+        return [keepalive(msg.request_id)] * 3
+
+    server = serve(script)
+    with Client(server.endpoint, timeout=0.2) as c, pytest.raises(RequestError) as e:
+        c.generate("x")
+    assert e.value.code == ErrorCode.INTERNAL
+
+
+def test_a_malformed_reply_fails_only_the_waiting_call(serve):
+    def script(msg):
+        if isinstance(msg, Generate):
+            return [[b"SIDING/1", b"\x12", b"\x81\xa1x"]]  # a RESULT whose header is truncated
+        return [StatusReply({"ok": True})] if isinstance(msg, Status) else []
+
+    server = serve(script)
+    with Client(server.endpoint, timeout=5) as c:
+        with pytest.raises(RequestError) as e:
+            c.generate("x", request_id="g1")
+        assert e.value.code == ErrorCode.INVALID_REQUEST
+        assert e.value.message == (
+            f"malformed reply from {server.endpoint}: malformed header: ValueError"
+        )
+        assert e.value.request_id == "g1"
+        assert c.status() == {"ok": True}
+    assert [server.next(), server.next()][1] == Abort("g1")
+
+
+def test_async_client_routes_32_concurrent_requests_answered_out_of_order(serve):
+    pending: list[Generate] = []
+
+    def script(msg):
+        pending.append(msg)
+        if len(pending) < 32:
+            return []
+        replies = [result(m.request_id, [int(m.prompt)], f"reply to {m.prompt}") for m in pending]
+        replies += [keepalive(m.request_id) for m in pending]
+        random.Random(0).shuffle(replies)
+        return replies
+
+    server = serve(script)
+
+    async def main():
+        async with AsyncClient(server.endpoint, timeout=5) as c:
+            return await asyncio.gather(*(c.generate(str(i)) for i in range(32)))
+
+    completions = asyncio.run(main())
+    assert [(r.token_ids, r.text) for r in completions] == [
+        ([i], f"reply to {i}") for i in range(32)
+    ]
+
+
+def test_async_stream_status_and_early_close(serve):
+    def script(msg):
+        if isinstance(msg, Status):
+            return [StatusReply({"workers": 1})]
+        if isinstance(msg, Abort):
+            return []
+        rid = msg.request_id
+        chunks = [Chunk(rid, 0, [i], str(i)) for i in range(3)]
+        return chunks + [result(rid, [0, 1, 2], "012")] if rid == "full" else chunks
+
+    server = serve(script)
+
+    async def main():
+        async with AsyncClient(server.endpoint, timeout=5) as c:
+            full = [chunk.text async for chunk in c.stream("x", request_id="full")]
+            status = await c.status()
+            async with contextlib.aclosing(c.stream("x", request_id="early")) as chunks:
+                first = await anext(chunks)
+            return full, status, first
+
+    full, status, first = asyncio.run(main())
+    assert (full, status, first) == (["0", "1", "2"], {"workers": 1}, Chunk("early", 0, [0], "0"))
+    sent = [server.next() for _ in range(4)]
+    assert sent[3] == Abort("early")
+
+
+def test_async_error_and_timeout(serve):
+    def script(msg):
+        if isinstance(msg, Generate) and msg.prompt == "bad":
+            return [Error("unsupported", "n > 1 needs temperature > 0", msg.request_id)]
+        return []
+
+    server = serve(script)
+
+    async def main():
+        async with AsyncClient(server.endpoint, timeout=0.2) as c:
+            return await asyncio.gather(
+                c.generate("bad", n=2), c.generate("silent", request_id="quiet"),
+                return_exceptions=True,
+            )
+
+    bad, silent = asyncio.run(main())
+    assert (bad.code, bad.message) == ("unsupported", "n > 1 needs temperature > 0")
+    assert (silent.code, silent.message, silent.request_id) == (
+        "internal", f"no reply from {server.endpoint} within 0.2s", "quiet"
+    )
+    sent = [server.next() for _ in range(3)]
+    assert sent.count(Abort("quiet")) == 1
+
+
+def test_cancelling_an_async_call_aborts_its_request(serve):
+    server = serve(lambda msg: [])
+
+    async def main():
+        async with AsyncClient(server.endpoint, timeout=5) as c:
+            task = asyncio.create_task(c.generate("x", request_id="cancelled"))
+            assert isinstance(await asyncio.to_thread(server.next), Generate)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
+    assert server.next() == Abort("cancelled")
