@@ -43,8 +43,11 @@ def decode(parts: Sequence[Any]) -> tuple[Any, list[memoryview]]:
         )
     try:
         fields = msgpack.unpackb(header, raw=False, strict_map_key=True, use_list=True)
-    except Exception as e:  # msgpack raises several types for garbage and trailing bytes
-        raise ProtocolError(f"malformed header: {type(e).__name__}") from None
+    except msgpack.ExtraData:
+        raise ProtocolError("trailing bytes after the msgpack header") from None
+    except Exception as e:  # msgpack raises several types for garbage and truncation
+        detail = f"{type(e).__name__}: {e}".rstrip(": ")
+        raise ProtocolError(f"malformed msgpack header ({detail[:160]})") from None
     return from_header(MESSAGES[msg_type], fields), frames
 
 
