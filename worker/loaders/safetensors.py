@@ -1,0 +1,127 @@
+"""Hugging Face directories: config.json, *.safetensors (HF tensor names), tokenizer.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from worker.model import ModelArgs, StageModel, build_stage, check_layer_range
+from worker.rope import LLAMA3_KEYS
+from worker.tokenizer import TokenizerInfo, hf_tokenizer
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def _rope_scaling(config: dict, path: Path) -> dict | None:
+    # transformers 5 writes `rope_parameters`; earlier versions `rope_scaling`
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"{path}: rope scaling {kind!r} is not supported; supported: llama3")
+    return {key: scaling[key] for key in LLAMA3_KEYS}
+
+
+def read_args(config: dict, path: Path) -> ModelArgs:
+    arch = (config.get("architectures") or ["<none>"])[0]
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"{path}: architecture {arch} is not supported; supported: {ARCHITECTURES}"
+        )
+    if config.get("hidden_act", "silu") != "silu" or config.get("mlp_bias", False):
+        raise ValueError(f"{path}: only SwiGLU feed-forwards without bias are supported")
+    dim, n_heads = config["hidden_size"], config["num_attention_heads"]
+    theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
+    max_context = config["max_position_embeddings"]
+    if config.get("sliding_window") and config.get("use_sliding_window", True):
+        # Attention here is global: capping the context at the window keeps it exact.
+        max_context = min(max_context, config["sliding_window"])
+    return ModelArgs(
+        n_layers=config["num_hidden_layers"],
+        dim=dim,
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        head_dim=config.get("head_dim") or dim // n_heads,
+        ffn_dim=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        rope_theta=float(theta or 10000.0),
+        rms_eps=float(config["rms_norm_eps"]),
+        max_context=max_context,
+        qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        rope_scaling=_rope_scaling(config, path),
+    )
+
+
+class SafetensorsSource:
+    def __init__(self, directory: str | Path, name: str | None = None):
+        self.directory = Path(directory)
+        self.name = name or self.directory.name
+        self.args = read_args(
+            json.loads((self.directory / "config.json").read_text()), self.directory
+        )
+        self._files: dict[str, Path] = {}
+        for file in sorted(self.directory.glob("*.safetensors")):
+            with safe_open(file, framework="pt") as f:
+                self._files.update(dict.fromkeys(f.keys(), file))
+        if not self._files:
+            raise ValueError(f"{self.directory} has no *.safetensors files")
+        if "lm_head.weight" not in self._files:
+            self.args.tie_embeddings = True
+        self._tokenizer: TokenizerInfo | None = None
+
+    @property
+    def tokenizer(self) -> TokenizerInfo:
+        if self._tokenizer is None:
+            self._tokenizer = hf_tokenizer(self.directory)
+        return self._tokenizer
+
+    def _read(self, names: set[str]) -> dict[str, Tensor]:
+        missing = names - self._files.keys()
+        if missing:
+            raise ValueError(f"{self.directory}: tensors missing: {sorted(missing)}")
+        out = {}
+        for file in {self._files[n] for n in names}:
+            with safe_open(file, framework="pt") as f:
+                out.update((n, f.get_tensor(n)) for n in names if self._files[n] == file)
+        return out
+
+    def load_stage(
+        self, layer_start: int, layer_end: int, dtype: torch.dtype, device: str | torch.device
+    ) -> StageModel:
+        a = self.args
+        check_layer_range(a, layer_start, layer_end)
+        # stage tensor -> the HF tensors concatenated (rows) into it
+        parts: dict[str, list[str]] = {}
+        if layer_start == 0:
+            parts["embed.weight"] = ["model.embed_tokens.weight"]
+        for i in range(layer_start, layer_end):
+            p, h = f"layers.{i - layer_start}.", f"model.layers.{i}."
+            parts[p + "attention_norm.weight"] = [h + "input_layernorm.weight"]
+            parts[p + "attention.wqkv.weight"] = [h + f"self_attn.{x}_proj.weight" for x in "qkv"]
+            if a.qkv_bias:
+                parts[p + "attention.wqkv.bias"] = [h + f"self_attn.{x}_proj.bias" for x in "qkv"]
+            parts[p + "attention.wo.weight"] = [h + "self_attn.o_proj.weight"]
+            parts[p + "ffn_norm.weight"] = [h + "post_attention_layernorm.weight"]
+            parts[p + "feed_forward.w13.weight"] = [
+                h + "mlp.gate_proj.weight",
+                h + "mlp.up_proj.weight",
+            ]
+            parts[p + "feed_forward.w2.weight"] = [h + "mlp.down_proj.weight"]
+        if layer_end == a.n_layers:
+            parts["norm.weight"] = ["model.norm.weight"]
+            if not a.tie_embeddings:
+                parts["output.weight"] = ["lm_head.weight"]
+            elif layer_start > 0:
+                parts["output.weight"] = ["model.embed_tokens.weight"]
+        raw = self._read({n for names in parts.values() for n in names})
+        tensors = {
+            key: torch.cat([raw[n] for n in names]).to(device=device, dtype=dtype)
+            for key, names in parts.items()
+        }
+        return build_stage(a, layer_start, layer_end, tensors)

@@ -1,0 +1,106 @@
+"""Random weights of named Llama shapes, for tests and for benchmarks without checkpoints.
+
+Each tensor is drawn on the CPU from a generator seeded by (model name, tensor name with its
+global layer number), so any layer split yields the same weights on every machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch
+from torch import Tensor
+
+from worker.model import ModelArgs, StageModel, build_stage, check_layer_range
+from worker.tokenizer import TokenizerInfo, byte_level_tokenizer
+
+_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+SHAPES = {
+    "tiny": ModelArgs(
+        n_layers=4, dim=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512, vocab_size=512,
+        rope_theta=10000.0, rms_eps=1e-5, max_context=4096,
+    ),
+    "smollm2-135m": ModelArgs(
+        n_layers=30, dim=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536,
+        vocab_size=49152, rope_theta=100000.0, rms_eps=1e-5, max_context=8192,
+        tie_embeddings=True,
+    ),
+    "llama-1b": ModelArgs(
+        n_layers=16, dim=2048, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192,
+        vocab_size=128256, rope_theta=500000.0, rms_eps=1e-5, max_context=131072,
+        tie_embeddings=True, rope_scaling={"factor": 32.0, **_LLAMA3_ROPE},
+    ),
+    "llama-8b": ModelArgs(
+        n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
+        vocab_size=128256, rope_theta=500000.0, rms_eps=1e-5, max_context=131072,
+        rope_scaling={"factor": 8.0, **_LLAMA3_ROPE},
+    ),
+}  # fmt: skip
+
+# Small enough that 30+ residual additions keep activations O(1) in bfloat16.
+WEIGHT_STD = 0.02
+
+
+class SyntheticSource:
+    def __init__(self, shape: str):
+        if shape not in SHAPES:
+            raise ValueError(f"unknown synthetic model {shape!r}; known: {', '.join(SHAPES)}")
+        self.name = f"synthetic:{shape}"
+        self.args = dataclasses.replace(SHAPES[shape])
+        self._tokenizer: TokenizerInfo | None = None
+
+    @property
+    def tokenizer(self) -> TokenizerInfo:
+        if self._tokenizer is None:
+            self._tokenizer = byte_level_tokenizer(self.args.vocab_size)
+        return self._tokenizer
+
+    def _tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> Tensor:
+        """`name` is the full-model name (global layer number), so splits agree."""
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=dtype, device=device)
+        digest = hashlib.sha256(f"{self.name}/{name}".encode()).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        w = torch.randn(shape, generator=generator) * WEIGHT_STD
+        return w.to(device=device, dtype=dtype)
+
+    def load_stage(
+        self, layer_start: int, layer_end: int, dtype: torch.dtype, device: str | torch.device
+    ) -> StageModel:
+        a = self.args
+        check_layer_range(a, layer_start, layer_end)
+        shapes = {
+            "attention_norm.weight": (a.dim,),
+            "attention.wqkv.weight": (a.q_dim + 2 * a.kv_dim, a.dim),
+            "attention.wo.weight": (a.dim, a.q_dim),
+            "ffn_norm.weight": (a.dim,),
+            "feed_forward.w13.weight": (2 * a.ffn_dim, a.dim),
+            "feed_forward.w2.weight": (a.dim, a.ffn_dim),
+        }
+        if a.qkv_bias:
+            shapes["attention.wqkv.bias"] = (a.q_dim + 2 * a.kv_dim,)
+        t = {}
+        if layer_start == 0:
+            t["embed.weight"] = self._tensor("embed.weight", (a.vocab_size, a.dim), dtype, device)
+        for i in range(layer_start, layer_end):
+            for key, shape in shapes.items():
+                t[f"layers.{i - layer_start}.{key}"] = self._tensor(
+                    f"layers.{i}.{key}", shape, dtype, device
+                )
+        if layer_end == a.n_layers:
+            t["norm.weight"] = self._tensor("norm.weight", (a.dim,), dtype, device)
+            if not a.tie_embeddings:
+                t["output.weight"] = self._tensor(
+                    "output.weight", (a.vocab_size, a.dim), dtype, device
+                )
+            elif layer_start > 0:
+                t["output.weight"] = self._tensor(
+                    "embed.weight", (a.vocab_size, a.dim), dtype, device
+                )
+        return build_stage(a, layer_start, layer_end, t)

@@ -1,0 +1,186 @@
+"""The Llama-family model as plain modules, one stage (a contiguous range of layers) at a time.
+
+Tokens of every sequence in a step are concatenated (varlen layout): activations are [T, dim] and
+`positions` [T] holds each token's absolute position. Attention hands q, k, v to a `LayerKV` the
+caller passes in, which stores the new rows and attends, so paging and kernels live outside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from worker.rope import LLAMA3_KEYS, Rope, apply_rope
+
+
+@dataclass
+class ModelArgs:
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    rope_theta: float
+    rms_eps: float
+    max_context: int
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    # None, Llama 3 style (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings), or {"freq_factors": [head_dim // 2 floats]}.
+    rope_scaling: dict | None = None
+    q_dim: int = field(init=False)
+    kv_dim: int = field(init=False)
+    n_rep: int = field(init=False)
+    attn_scale: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+        scaling = self.rope_scaling
+        if scaling is not None and "freq_factors" not in scaling:
+            missing = [key for key in LLAMA3_KEYS if key not in scaling]
+            if missing:
+                raise ValueError(
+                    f"rope_scaling {scaling} lacks {missing}; only Llama 3 scaling is supported"
+                )
+        self.q_dim = self.n_heads * self.head_dim
+        self.kv_dim = self.n_kv_heads * self.head_dim
+        self.n_rep = self.n_heads // self.n_kv_heads
+        self.attn_scale = self.head_dim**-0.5
+
+
+class LayerKV(Protocol):
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, meta: Any) -> Tensor:
+        """q: [T, H, D], k/v: [T, KVH, D] (new rows, RoPE applied) -> [T, H, D].
+
+        Softmax scale is `ModelArgs.attn_scale`.
+        """
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalised in float32 and cast back before the weight, as the HF reference does.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.wqkv = nn.Linear(args.dim, args.q_dim + 2 * args.kv_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.q_dim, args.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV, meta: Any) -> Tensor:
+        a = self.args
+        t = x.shape[0]
+        q, k, v = self.wqkv(x).split([a.q_dim, a.kv_dim, a.kv_dim], dim=-1)
+        # q: [T, H, D], k/v: [T, KVH, D]
+        q = apply_rope(q.view(t, a.n_heads, a.head_dim), cos, sin)
+        k = apply_rope(k.view(t, a.n_kv_heads, a.head_dim), cos, sin)
+        v = v.view(t, a.n_kv_heads, a.head_dim)
+        out = kv.attend(q, k, v, meta)
+        return self.wo(out.reshape(t, a.q_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w13 = nn.Linear(args.dim, 2 * args.ffn_dim, bias=False)  # gate rows, then up rows
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.rms_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.rms_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV, meta: Any) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, kv, meta)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def check_layer_range(args: ModelArgs, layer_start: int, layer_end: int) -> None:
+    if not 0 <= layer_start < layer_end <= args.n_layers:
+        raise ValueError(
+            f"layer range [{layer_start}, {layer_end}) is not a non-empty part of "
+            f"[0, {args.n_layers})"
+        )
+
+
+class StageModel(nn.Module):
+    """Layers [layer_start, layer_end); the embedding if `first`, final norm and head if `last`."""
+
+    def __init__(self, args: ModelArgs, layer_start: int, layer_end: int, first: bool, last: bool):
+        super().__init__()
+        check_layer_range(args, layer_start, layer_end)
+        self.args = args
+        self.layer_start, self.layer_end = layer_start, layer_end
+        self.first, self.last = first, last
+        # Uninitialised: loaders assign the weights, and nn.Embedding's random init on the meta
+        # device imports torch._dynamo (~1.5 s on a small CPU).
+        empty = torch.empty(args.vocab_size, args.dim)
+        self.embed = nn.Embedding.from_pretrained(empty, freeze=True) if first else None
+        self.layers = nn.ModuleList(Block(args) for _ in range(layer_start, layer_end))
+        self.norm = RMSNorm(args.dim, args.rms_eps) if last else None
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if last else None
+        self.rope = Rope(args.head_dim, args.rope_theta, args.rope_scaling, args.max_context)
+
+    def forward(
+        self, inputs: Tensor, positions: Tensor, kvs: Sequence[LayerKV], meta: Any
+    ) -> Tensor:
+        # inputs: token ids [T] int64 on the first stage, else hidden [T, dim] -> hidden [T, dim]
+        x = self.embed(inputs) if self.embed is not None else inputs
+        cos, sin = self.rope(positions)
+        for layer, kv in zip(self.layers, kvs, strict=True):
+            x = layer(x, cos, sin, kv, meta)
+        return x
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        # hidden: [N, dim] -> [N, vocab] float32
+        if self.output is None:
+            raise RuntimeError("logits are computed by the last stage only")
+        return self.output(self.norm(hidden)).float()
+
+
+def build_stage(
+    args: ModelArgs, layer_start: int, layer_end: int, tensors: Mapping[str, Tensor]
+) -> StageModel:
+    """A stage whose parameters are exactly `tensors` (state-dict names, layers numbered from 0
+    within the stage), frozen and in eval mode. Tensors are used as they are, not copied.
+
+    A tied head may be left out when the stage also holds the embedding: it shares its storage.
+    """
+    first, last = layer_start == 0, layer_end == args.n_layers
+    if first and last and args.tie_embeddings and "output.weight" not in tensors:
+        tensors = {**tensors, "output.weight": tensors["embed.weight"]}
+    with torch.device("meta"):
+        model = StageModel(args, layer_start, layer_end, first, last)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    device = next(iter(tensors.values())).device
+    return model.to(device).requires_grad_(False).eval()
