@@ -47,7 +47,8 @@ class WorkerGroup:
 
     def spawn_local(self) -> None:
         c = self.config
-        endpoint = c.worker_listen.replace("*", "127.0.0.1").replace("0.0.0.0", "127.0.0.1")
+        bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port of a `*` bind
+        endpoint = bound.replace("0.0.0.0", "127.0.0.1")
         threads = c.worker_threads or max(1, (os.cpu_count() or 1) // c.workers)
         for rank, device in enumerate(c.devices):
             cmd = [sys.executable, "-m", "worker", "--coordinator", endpoint, "--rank", str(rank),
