@@ -185,12 +185,16 @@ class ClientBase:
         self._replies = Replies(new_queue)
         socket = context.socket(zmq.DEALER)
         socket.linger = 0
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        if timeout is not None:
-            socket.sndtimeo = max(1, round(timeout * 1000))  # ms
-        if curve_keys_dir is not None or curve_server_key is not None:
-            secure_client(socket, curve_keys_dir, curve_server_key)
-        socket.connect(endpoint)
+        try:
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            if timeout is not None:
+                socket.sndtimeo = max(1, round(timeout * 1000))  # ms
+            if curve_keys_dir is not None or curve_server_key is not None:
+                secure_client(socket, curve_keys_dir, curve_server_key)
+            socket.connect(endpoint)
+        except (ValueError, zmq.ZMQError):
+            socket.close()
+            raise
         self._socket = socket
         # A blocking-API view of the same socket, for aborts sent from `finally` blocks (also of
         # a cancelled task), which must neither await nor block.
@@ -244,7 +248,10 @@ class Client(ClientBase):
         return completion(reply)
 
     def stream(self, prompt: str | None = None, **options: Any) -> Iterator[StreamChunk]:
-        """Chunks as they come, until the Result; closing the iterator early aborts the request."""
+        """Chunks as they come, until the Result; closing the iterator early aborts the request.
+
+        Options are checked now; the request is sent when iteration starts.
+        """
         return self._stream(build_generate(prompt, stream=True, **options))
 
     def chat(self, messages: list[dict[str, str]], **options: Any) -> Completion:

@@ -8,6 +8,7 @@ import gc
 import queue
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,7 +31,8 @@ from protocol.messages import (
 )
 from protocol.wire import decode, encode
 
-Script = Callable[[Any], list[Any]]  # message received -> replies (messages or raw frame lists)
+# message received -> replies: messages, raw frame lists, or a float (seconds to pause)
+Script = Callable[[Any], list[Any]]
 
 
 class FakeServer:
@@ -69,6 +71,9 @@ class FakeServer:
             msg, _ = decode(parts)
             self.received.put(msg)
             for reply in self.script(msg):
+                if isinstance(reply, float):
+                    time.sleep(reply)
+                    continue
                 frames = reply if isinstance(reply, list) else encode(reply)
                 self._socket.send_multipart([identity, *frames])
 
@@ -223,12 +228,11 @@ def test_no_reply_within_the_timeout_raises_and_aborts(serve):
 
 
 def test_keepalives_do_not_extend_the_timeout(serve):
-    def script(msg):
-        return [keepalive(msg.request_id)] * 3
-
-    server = serve(script)
-    with Client(server.endpoint, timeout=0.2) as c, pytest.raises(RequestError) as e:
+    server = serve(lambda msg: [keepalive(msg.request_id), 0.05] * 20)  # 1 s of keepalives
+    with Client(server.endpoint, timeout=0.25) as c, pytest.raises(RequestError) as e:
+        start = time.monotonic()
         c.generate("x")
+    assert time.monotonic() - start < 0.7
     assert e.value.code == ErrorCode.INTERNAL
 
 

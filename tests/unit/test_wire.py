@@ -1,0 +1,224 @@
+"""The frame codec: every message type round-trips; every bad input is a ProtocolError."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from protocol.errors import ProtocolError
+from protocol.messages import (
+    MAX_TEXT,
+    MESSAGES,
+    Abort,
+    Activations,
+    Assign,
+    ChatMessage,
+    Choice,
+    Chunk,
+    Error,
+    Generate,
+    Heartbeat,
+    ModelInfo,
+    Ready,
+    Register,
+    Result,
+    Sampling,
+    SeqPlan,
+    Shutdown,
+    Status,
+    StatusReply,
+    Step,
+    StepError,
+    StepResult,
+    Usage,
+)
+from protocol.wire import VERSION, decode, encode
+
+SAMPLES = [
+    Generate(
+        request_id="r1", messages=[ChatMessage("user", "Hi")], max_tokens=8, temperature=0.8,
+        top_p=0.95, top_k=40, seed=7, stop=["\n"], stop_token_ids=[2], ignore_eos=True,
+        priority=-3, n=2, stream=True,
+    ),
+    Generate(request_id="r2", prompt_token_ids=[1, 2, 3]),
+    Abort("r1"),
+    Status(),
+    Chunk("r1", 1, [5, 6], "ab", "stop"),
+    Result("r1", [1, 2], [Choice(0, [5], "a", "length", 2)], Usage(2, 1)),
+    StatusReply({"workers": [{"rank": 0, "free": 1.5}], "ok": True, "none": None}),
+    Error("too_long", "does not fit", "r1"),
+    Error("invalid_request", "bad", None),
+    Register(rank=1, device="cuda:1", pid=42, hostname="h", data_endpoint="tcp://h:1",
+             memory_bytes=1 << 34),
+    Assign(rank=0, n_workers=2, model="smollm2-135m", dtype="bfloat16", page_size=16,
+           kv_pages=1024, next_endpoint="tcp://h:2", layer_start=0, layer_end=15),
+    Ready(rank=0, layer_start=0, layer_end=30, kv_bytes_per_page=4096,
+          model=ModelInfo("m", 30, 49152, 8192, "{}", "{{ x }}", None, False, [2])),
+    Heartbeat(rank=3),
+    Step(step=9, seqs=[SeqPlan(1, 0, 3, [4, 5], True, Sampling(0.7, 0.9, 20, 11))],
+         token_ids=[1, 2, 3], free=[7]),
+    StepResult(step=9, seq_ids=[1], tokens=[42], forward_seconds=0.01),
+    StepError(step=9, code="worker_failed", message="CUDA out of memory"),
+    Shutdown(),
+]
+
+
+def parts(msg_type: int, header: object, frames: list[bytes] | None = None) -> list[bytes]:
+    return [VERSION, bytes([msg_type]), msgpack.packb(header), *(frames or [])]
+
+
+def test_samples_cover_every_message_type():
+    assert {type(m) for m in SAMPLES} | {Activations} == set(MESSAGES.values())
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(msg):
+    assert decode(encode(msg)) == (msg, [])
+
+
+def test_activations_round_trip_with_their_raw_frame_and_zmq_frames_decode():
+    msg = Activations(step=3, dtype="bfloat16", shape=[2, 4])
+    payload = bytes(range(16))
+    decoded, frames = decode([zmq.Frame(p) for p in encode(msg, [payload])])
+    assert (decoded, [bytes(f) for f in frames]) == (msg, [payload])
+
+
+GENERATE = {"request_id": "r", "prompt": "x"}
+
+REJECTED = {
+    "wrong version": ([b"SIDING/2", b"\x01", msgpack.packb(GENERATE)],
+                      "unsupported protocol version b'SIDING/2'"),
+    "unknown type": ([VERSION, b"\x7f", msgpack.packb(GENERATE)], "unknown message type 7f"),
+    "two type bytes": ([VERSION, b"\x01\x01", msgpack.packb(GENERATE)],
+                       "unknown message type 0101"),
+    "empty message": ([], "a message has at least 3 frames, got 0"),
+    "short message": ([VERSION, b"\x01"], "a message has at least 3 frames, got 2"),
+    "empty header": ([VERSION, b"\x01", b""],
+                     "malformed msgpack header (ValueError: Unpack failed: incomplete input)"),
+    "bad msgpack": ([VERSION, b"\x01", b"\xc1"], "malformed msgpack header (FormatError)"),
+    "invalid utf-8": ([VERSION, b"\x02", b"\x81\xaarequest_id\xa2\xff\xfe"],
+                      "malformed msgpack header (UnicodeDecodeError: 'utf-8' codec can't decode "
+                      "byte 0xff in position 0: invalid start byte)"),
+    "trailing garbage": ([VERSION, b"\x01", msgpack.packb(GENERATE) + b"\x00"],
+                         "trailing bytes after the msgpack header"),
+    "non-map header": (parts(0x01, ["r", "x"]), "Generate must be a map"),
+    "integer map key": (parts(0x01, {1: "r"}),
+                        "malformed msgpack header (ValueError: int is not allowed for map key "
+                        "when strict_map_key=True)"),
+    "unknown field": (parts(0x01, {**GENERATE, "evil": 1}), "unknown field 'evil'"),
+    "unknown nested field": (parts(0x12, {"request_id": "r", "choices": [{"x": 1}]}),
+                             "unknown field 'choices[0].x'"),
+    "nested non-map": (parts(0x12, {"request_id": "r", "usage": 3}), "field 'usage' must be a map"),
+    "missing field": (parts(0x02, {}), "missing field 'request_id'"),
+    "missing nested field": (parts(0x23, {"rank": 0, "layer_start": 0, "layer_end": 1,
+                                          "model": {"name": "m"}}),
+                             "missing field 'model.n_layers'"),
+    "str for int": (parts(0x01, {**GENERATE, "max_tokens": "16"}),
+                    "field 'max_tokens' must be an integer"),
+    "bool for int": (parts(0x01, {**GENERATE, "max_tokens": True}),
+                     "field 'max_tokens' must be an integer"),
+    "float for int": (parts(0x01, {**GENERATE, "top_k": 1.0}), "field 'top_k' must be an integer"),
+    "NaN for float": (parts(0x01, {**GENERATE, "temperature": float("nan")}),
+                      "field 'temperature' must be a number"),
+    "bytes for str": (parts(0x01, {"request_id": "r", "prompt": b"x"}),
+                      "field 'prompt' must be a string"),
+    "int for bool": (parts(0x01, {**GENERATE, "stream": 1}), "field 'stream' must be a boolean"),
+    "str for list": (parts(0x01, {**GENERATE, "stop": "\n"}), "field 'stop' must be a list"),
+    "str in int list": (parts(0x01, {"request_id": "r", "prompt_token_ids": [1, "2"]}),
+                        "field 'prompt_token_ids[1]' must be an integer"),
+    "max_tokens 0": (parts(0x01, {**GENERATE, "max_tokens": 0}),
+                     "field 'max_tokens' must be in [1, 16777216], got 0"),
+    "n 0": (parts(0x01, {**GENERATE, "n": 0}), "field 'n' must be in [1, 64], got 0"),
+    "top_p 1.5": (parts(0x01, {**GENERATE, "top_p": 1.5}),
+                  "field 'top_p' must be in [0.0, 1.0], got 1.5"),
+    "infinite temperature": (parts(0x01, {**GENERATE, "temperature": float("inf")}),
+                             "field 'temperature' must be in [0.0, 100.0], got inf"),
+    "negative index": (parts(0x11, {"request_id": "r", "index": -1}),
+                       "field 'index' must be in [0, None], got -1"),
+    "long request id": (parts(0x02, {"request_id": "x" * 129}),
+                        "field 'request_id' is longer than 128"),
+    "long prompt": (parts(0x01, {"request_id": "r", "prompt": "x" * (MAX_TEXT + 1)}),
+                    "field 'prompt' is longer than 1048576"),
+    "long stop list": (parts(0x01, {**GENERATE, "stop": ["s"] * 65}),
+                       "field 'stop' is longer than 64"),
+    "too many choices": (parts(0x12, {"request_id": "r", "choices": [{}] * 65}),
+                         "field 'choices' is longer than 64"),
+    "extension type in a map": (parts(0x13, {"status": {"t": msgpack.ExtType(1, b"x")}}),
+                                "field 'status' holds a ExtType"),
+    "timestamp in a map": (parts(0x13, {"status": {"t": [msgpack.Timestamp(1, 0)]}}),
+                           "field 'status' holds a Timestamp"),
+    "missing raw frame": (parts(0x31, {"step": 0, "dtype": "f32", "shape": [1]}),
+                          "ACTIVATIONS carries 1 raw frames, got 0"),
+    "extra raw frame": (parts(0x01, GENERATE, [b"tensor"]), "GENERATE carries 0 raw frames, got 1"),
+}
+
+
+@pytest.mark.parametrize("case", REJECTED)
+def test_bad_messages_are_rejected_with_a_clear_message(case):
+    message_parts, expected = REJECTED[case]
+    with pytest.raises(ProtocolError) as e:
+        decode(message_parts)
+    assert (e.value.code, e.value.message) == ("invalid_request", expected)
+
+
+def test_an_oversized_header_is_rejected_before_it_is_parsed():
+    with pytest.raises(ProtocolError) as e:
+        decode([VERSION, b"\x13", bytes((64 << 20) + 1)])
+    assert e.value.message == "header too large"
+
+
+class _CreatesFile:
+    """Unpickling this opens (creates) a file: a stand-in for any code a pickle can run."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def test_a_pickle_is_rejected_and_never_unpickled(tmp_path):
+    canary = tmp_path / "canary"
+    pickle.loads(pickle.dumps(_CreatesFile(canary))).close()
+    assert canary.exists()  # the payload does what it says when unpickled
+
+    target = tmp_path / "pwned"
+    payload = pickle.dumps(_CreatesFile(target))
+    with pytest.raises(ProtocolError) as as_header:
+        decode([VERSION, b"\x13", payload])
+    with pytest.raises(ProtocolError) as as_message:
+        decode([payload])
+    assert as_header.value.message == "trailing bytes after the msgpack header"
+    assert as_message.value.message == "a message has at least 3 frames, got 1"
+    assert not target.exists()
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"prompt": ""}, "the prompt is empty"),
+        ({"prompt_token_ids": []}, "the prompt is empty"),
+        ({"messages": []}, "the prompt is empty"),
+        ({"prompt": "x", "prompt_token_ids": [1]}, "give exactly one of prompt, "
+                                                   "prompt_token_ids or messages"),
+        ({}, "give exactly one of prompt, prompt_token_ids or messages"),
+        ({"prompt_token_ids": [1, -2]}, "token ids must not be negative"),
+        ({"prompt": "x", "stop_token_ids": [-1]}, "token ids must not be negative"),
+        ({"prompt": "x", "stop": [""]}, "stop strings must not be empty"),
+        ({"prompt": "x", "top_p": 0.0}, "top_p must be in (0, 1]"),
+    ],
+)
+def test_generate_check_rejects_requests_that_cannot_run(fields, expected):
+    with pytest.raises(ProtocolError) as e:
+        Generate(request_id="r", **fields).check()
+    assert e.value.message == expected
+
+
+def test_generate_check_accepts_each_kind_of_prompt():
+    Generate(request_id="r", prompt="x").check()
+    Generate(request_id="r", prompt_token_ids=[0]).check()
+    Generate(request_id="r", messages=[ChatMessage("user", "")]).check()
