@@ -12,6 +12,7 @@ own. With it, only the keys inside it, so keys can be added and revoked apart fr
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 from pathlib import Path
@@ -24,6 +25,8 @@ from zmq.auth.thread import ThreadAuthenticator
 SERVER = "server"
 CLIENT = "client"
 AUTHORIZED = "authorized"
+
+_AUTHENTICATORS: dict[zmq.Context, ThreadAuthenticator] = {}
 
 
 def is_loopback(endpoint: str) -> bool:
@@ -69,17 +72,22 @@ def generate_keys(keys_dir: str | os.PathLike) -> Path:
 def secure_server(socket: zmq.Socket, keys_dir: str | os.PathLike) -> ThreadAuthenticator:
     """Make `socket` a CURVE server that accepts only the authorized client keys.
 
-    Call before binding. Returns the started authenticator; stop it when the socket closes. A
-    context holds one authenticator, so give each secured server socket a context of its own.
+    Call before binding. ZeroMQ takes one authenticator per context, so the sockets of a
+    context share one (started here, returned; stop it when they close), and each keys
+    directory is a ZAP domain of its own: a socket accepts only its own directory's clients.
     """
-    path = Path(keys_dir)
+    path = Path(keys_dir).resolve()
     public, secret = _keypair(path / f"{SERVER}.key_secret")
     allowed = _authorized_keys(path)
-    auth = ThreadAuthenticator(socket.context)
-    auth.start()
+    domain = "siding-" + hashlib.sha256(str(path).encode()).hexdigest()[:16]  # ZAP allows 255 B
+    auth = _AUTHENTICATORS.get(socket.context)
+    if auth is None or not auth.is_alive():
+        auth = _AUTHENTICATORS[socket.context] = ThreadAuthenticator(socket.context)
+        auth.start()
     auth.configure_curve_callback(
-        domain="*", credentials_provider=SimpleNamespace(callback=lambda _, key: key in allowed)
+        domain=domain, credentials_provider=SimpleNamespace(callback=lambda _, key: key in allowed)
     )
+    socket.zap_domain = domain.encode()
     socket.curve_publickey = public
     socket.curve_secretkey = secret
     socket.curve_server = True

@@ -69,32 +69,42 @@ def test_generate_keys_writes_two_keypairs_with_private_secrets_and_never_overwr
 
 
 @contextmanager
-def curve_server(keys: Path) -> Iterator[str]:
-    """A CURVE ROUTER on a loopback port that answers every message with a StatusReply."""
-    context = zmq.Context()  # one ZAP authenticator per context
-    socket = context.socket(zmq.ROUTER)
-    socket.linger = 0
-    auth = secure_server(socket, keys)
+def curve_servers(*keys_dirs: Path) -> Iterator[list[str]]:
+    """CURVE ROUTERs, one per keys directory, on one context; each answers with a StatusReply."""
+    context = zmq.Context()
+    sockets = [context.socket(zmq.ROUTER) for _ in keys_dirs]
+    auths = [secure_server(socket, keys) for socket, keys in zip(sockets, keys_dirs, strict=True)]
+    endpoints = [f"tcp://127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}" for s in sockets]
     stop = threading.Event()
 
     def serve() -> None:
+        poller = zmq.Poller()
+        for socket in sockets:
+            poller.register(socket, zmq.POLLIN)
         while not stop.is_set():
-            if socket.poll(10):
+            for socket, _ in poller.poll(10):
                 identity, *parts = socket.recv_multipart()
                 decode(parts)
                 socket.send_multipart([identity, *encode(StatusReply({"secure": True}))])
 
-    endpoint = f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}"
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        yield endpoint
+        yield endpoints
     finally:
         stop.set()
         thread.join()
-        auth.stop()
-        socket.close()
+        for auth in auths:
+            auth.stop()
+        for socket in sockets:
+            socket.close(linger=0)
         context.term()
+
+
+@contextmanager
+def curve_server(keys: Path) -> Iterator[str]:
+    with curve_servers(keys) as (endpoint,):
+        yield endpoint
 
 
 def answered(endpoint: str, keys_dir: Path | None, timeout: float = 5.0) -> bool:
@@ -145,3 +155,17 @@ def test_a_server_without_client_keys_refuses_to_start(tmp_path):
         secure_server(socket, keys)
     socket.close(linger=0)
     assert str(e.value) == f"no client public keys (*.key) in {keys / 'authorized'}"
+
+
+def test_sockets_of_one_context_each_accept_only_their_own_clients(tmp_path):
+    first = generate_keys(tmp_path / "first")
+    second = generate_keys(tmp_path / "second")
+    with curve_servers(first, second) as (first_endpoint, second_endpoint):
+        assert answered(first_endpoint, first)
+        assert answered(second_endpoint, second)
+        crossing = tmp_path / "crossing"  # second's client, pointed at the first server
+        crossing.mkdir()
+        for name in ("client.key", "client.key_secret"):
+            shutil.copy(second / name, crossing / name)
+        shutil.copy(first / "server.key", crossing / "server.key")
+        assert not answered(first_endpoint, crossing, timeout=0.3)
