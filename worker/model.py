@@ -156,7 +156,7 @@ class StageModel(nn.Module):
     ) -> Tensor:
         # inputs: token ids [T] int64 on the first stage, else hidden [T, dim] -> hidden [T, dim]
         x = self.embed(inputs) if self.embed is not None else inputs
-        cos, sin = self.rope(positions)
+        cos, sin = self.rope(positions, x.dtype)
         for layer, kv in zip(self.layers, kvs, strict=True):
             x = layer(x, cos, sin, kv, meta)
         return x

@@ -46,14 +46,14 @@ class Rope(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        # positions: [T] int64 -> cos, sin: [T, 1, head_dim // 2] float32
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        # positions: [T] int64 -> cos, sin: [T, 1, head_dim // 2] in the activations' dtype, as
+        # HF casts them before use, so the products below match the reference in every dtype.
+        cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        return cos[:, None, :], sin[:, None, :]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: [T, heads, D]. The products of HF's `x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`,
-    # tables cast to x's dtype first as HF does, so it matches the reference in every dtype.
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    # x: [T, heads, D]; the products of HF's `x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

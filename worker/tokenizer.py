@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 
 @dataclass
@@ -123,13 +123,14 @@ def _gguf_sentencepiece(meta: Mapping[str, Any]) -> Tokenizer:
             byte_fallback=True,
         )
     )
+    prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        prepend_scheme="first" if prefix else "never", split=False
+    )
     decode = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if meta.get("tokenizer.ggml.add_space_prefix", True):
-        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
-        decode.append(decoders.Strip(" ", 1, 0))
-    else:
-        tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
-    tokenizer.decoder = decoders.Sequence(decode)
+    tokenizer.decoder = decoders.Sequence(
+        [*decode, decoders.Strip(" ", 1, 0)] if prefix else decode
+    )
     return tokenizer
 
 

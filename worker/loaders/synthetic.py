@@ -61,7 +61,9 @@ class SyntheticSource:
             self._tokenizer = byte_level_tokenizer(self.args.vocab_size)
         return self._tokenizer
 
-    def _tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> Tensor:
+    def _tensor(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
+    ) -> Tensor:
         """`name` is the full-model name (global layer number), so splits agree."""
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=dtype, device=device)
