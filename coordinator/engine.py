@@ -19,8 +19,21 @@ import zmq
 from protocol import security
 from protocol.errors import ErrorCode, ProtocolError, RequestError
 from protocol.messages import (
-    Abort, Chunk, Choice, Error, Generate, Ready, Register, Result, SeqPlan, Status, StatusReply,
-    Step, StepError, StepResult, Usage,
+    Abort,
+    Choice,
+    Chunk,
+    Error,
+    Generate,
+    Ready,
+    Register,
+    Result,
+    SeqPlan,
+    Status,
+    StatusReply,
+    Step,
+    StepError,
+    StepResult,
+    Usage,
 )
 from protocol.messages import Sampling as SamplingMsg
 from protocol.wire import MAX_MESSAGE_BYTES, decode, encode
@@ -243,7 +256,8 @@ class Engine:
                 return self.codec.tokenizer.encode(text, add_special_tokens=False).ids
             return self.codec.encode(msg.prompt)
         except Exception as e:
-            raise RequestError(ErrorCode.INVALID_REQUEST, f"cannot tokenize the prompt: {e}")
+            raise RequestError(ErrorCode.INVALID_REQUEST,
+                               f"cannot tokenize the prompt: {e}") from None
 
     def _send(self, identity: bytes, msg) -> bool:
         """Send to a client; a client that is gone or not reading loses its requests."""

@@ -22,7 +22,15 @@ import zmq
 from protocol import security
 from protocol.errors import ProtocolError
 from protocol.messages import (
-    Activations, Assign, Heartbeat, ModelInfo, Ready, Register, Shutdown, Step, StepError,
+    Activations,
+    Assign,
+    Heartbeat,
+    ModelInfo,
+    Ready,
+    Register,
+    Shutdown,
+    Step,
+    StepError,
     StepResult,
 )
 from protocol.wire import MAX_MESSAGE_BYTES, decode, encode

@@ -17,7 +17,7 @@ def cluster(launch):
 def hf_greedy(hf_reference, ids: list[int], n: int) -> list[int]:
     import torch
 
-    model, _ = hf_reference
+    model = hf_reference.model
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
                              attention_mask=torch.ones(1, len(ids), dtype=torch.long))
@@ -33,7 +33,7 @@ def test_capital_of_france_is_paris(cluster):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_tokens_equal_the_hf_reference(cluster, hf_reference, prompt):
-    _, tokenizer = hf_reference
+    tokenizer = hf_reference.tokenizer
     with Client(cluster.endpoint, timeout=120) as c:
         r = c.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
     assert r.prompt_token_ids == tokenizer(prompt).input_ids
@@ -41,7 +41,7 @@ def test_greedy_tokens_equal_the_hf_reference(cluster, hf_reference, prompt):
 
 
 def test_chat_template_prompt_equals_the_hf_reference(cluster, hf_reference):
-    _, tokenizer = hf_reference
+    tokenizer = hf_reference.tokenizer
     with Client(cluster.endpoint, timeout=120) as c:
         r = c.chat(CHAT, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected_prompt = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True,

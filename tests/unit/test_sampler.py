@@ -22,9 +22,11 @@ def test_seeded_draw_depends_only_on_seed_and_position():
 
 def test_top_k_and_top_p_restrict_the_support():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    top_k = SamplingParams(temperature=1.0, top_k=2, seed=3)
+    top_p = SamplingParams(temperature=1.0, top_p=0.7, seed=3)
     for pos in range(200):
-        assert sample(logits, [SamplingParams(temperature=1.0, top_k=2, seed=3)], [pos])[0] in (0, 1)
-        assert sample(logits, [SamplingParams(temperature=1.0, top_p=0.7, seed=3)], [pos])[0] in (0, 1)
+        assert sample(logits, [top_k], [pos])[0] in (0, 1)
+        assert sample(logits, [top_p], [pos])[0] in (0, 1)
 
 
 def test_sampling_follows_the_distribution():
