@@ -33,7 +33,8 @@ class ModelArgs:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     # None, Llama 3 style (factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings), or {"freq_factors": [head_dim // 2 floats]}.
+    # original_max_position_embeddings), or {"freq_factors": [head_dim // 2 divisors of the
+    # frequencies]} (llama.cpp's rope_freqs tensor; linear scaling).
     rope_scaling: dict | None = None
     q_dim: int = field(init=False)
     kv_dim: int = field(init=False)
@@ -48,7 +49,10 @@ class ModelArgs:
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
         scaling = self.rope_scaling
-        if scaling is not None and "freq_factors" not in scaling:
+        if scaling is not None and "freq_factors" in scaling:
+            if len(scaling["freq_factors"]) != self.head_dim // 2:
+                raise ValueError(f"rope_scaling needs {self.head_dim // 2} freq_factors")
+        elif scaling is not None:
             missing = [key for key in LLAMA3_KEYS if key not in scaling]
             if missing:
                 raise ValueError(

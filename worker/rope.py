@@ -13,8 +13,9 @@ LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
     """[head_dim // 2] float32, computed as transformers' Llama rotary embedding does, bit for bit.
 
-    `scaling` is None, Llama 3 style (`LLAMA3_KEYS`), or `{"freq_factors": [...]}`: llama.cpp's
-    `rope_freqs.weight`, per-frequency divisors that a Llama 3 GGUF stores instead of the keys.
+    `scaling` is None, Llama 3 style (`LLAMA3_KEYS`), or `{"freq_factors": [...]}`: a divisor per
+    frequency, as llama.cpp stores Llama 3 scaling (`rope_freqs.weight`), or linear scaling's
+    factor repeated.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     if scaling is None:

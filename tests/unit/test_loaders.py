@@ -196,7 +196,8 @@ def test_unsupported_gguf_architecture_is_a_clear_error(tmp_path):
 # ---- against transformers, on tiny random models ----------------------------------------------
 
 HF_KINDS = {
-    # llama: llama3 rope scaling, untied head; qwen2: qkv bias, tied head
+    # llama: llama3 rope scaling, untied head; llama-linear: linear rope scaling;
+    # qwen2: qkv bias, tied head
     "llama": dict(
         rope_scaling={
             "rope_type": "llama3",
@@ -208,14 +209,17 @@ HF_KINDS = {
         rope_theta=500000.0,
         tie_word_embeddings=False,
     ),
+    "llama-linear": dict(rope_scaling={"rope_type": "linear", "factor": 4.0}),
     "qwen2": dict(rope_theta=10000.0, tie_word_embeddings=True),
 }
 
 
 def tiny_hf_model(kind: str, vocab_size: int):
-    config_class = transformers.LlamaConfig if kind == "llama" else transformers.Qwen2Config
+    config_class = (
+        transformers.LlamaConfig if kind.startswith("llama") else transformers.Qwen2Config
+    )
     model_class = (
-        transformers.LlamaForCausalLM if kind == "llama" else transformers.Qwen2ForCausalLM
+        transformers.LlamaForCausalLM if kind.startswith("llama") else transformers.Qwen2ForCausalLM
     )
     config = config_class(
         hidden_size=64,
@@ -250,7 +254,7 @@ def hf_logits(model, ids: list[int]) -> Tensor:
 PROBE = list(range(3, 250, 9))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", list(HF_KINDS))
 def test_hf_safetensors_dir_logits_match_transformers(tmp_path, kind):
     model = tiny_hf_model(kind, vocab_size=512)
     model.save_pretrained(tmp_path)
@@ -299,6 +303,9 @@ SP_TEXTS = [
 ]
 
 
+Q = gguf.GGMLQuantizationType
+
+
 def permute_like_llama_cpp(w: np.ndarray, n_heads: int) -> np.ndarray:
     return (
         w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
@@ -307,8 +314,9 @@ def permute_like_llama_cpp(w: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-def write_gguf(path: Path, model, kind: str) -> None:
-    """`model` as llama.cpp's converter writes it: F16 matrices, F32 norms, llama q/k permuted."""
+def write_gguf(path: Path, model, kind: str, matrix_type: Q) -> None:
+    """`model` as llama.cpp's converter writes it: matrices in `matrix_type`, F32 norms and biases,
+    llama's q/k permuted."""
     c = model.config
     sd = {k: v.numpy() for k, v in model.state_dict().items()}
     w = gguf.GGUFWriter(str(path), kind)
@@ -327,40 +335,44 @@ def write_gguf(path: Path, model, kind: str) -> None:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
-    f16 = np.float16
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"].astype(f16))
+
+    def matrix(name: str, m: np.ndarray) -> None:
+        w.add_tensor(name, gguf.quants.quantize(m, matrix_type), raw_dtype=matrix_type)
+
+    matrix("token_embd.weight", sd["model.embed_tokens.weight"])
     for i in range(c.num_hidden_layers):
         h, g = f"model.layers.{i}.", f"blk.{i}."
         q, k = sd[h + "self_attn.q_proj.weight"], sd[h + "self_attn.k_proj.weight"]
         if kind == "llama":
-            q, k = (
-                permute_like_llama_cpp(q, c.num_attention_heads),
-                permute_like_llama_cpp(k, c.num_key_value_heads),
-            )
+            q = permute_like_llama_cpp(q, c.num_attention_heads)
+            k = permute_like_llama_cpp(k, c.num_key_value_heads)
         w.add_tensor(g + "attn_norm.weight", sd[h + "input_layernorm.weight"])
-        w.add_tensor(g + "attn_q.weight", q.astype(f16))
-        w.add_tensor(g + "attn_k.weight", k.astype(f16))
-        w.add_tensor(g + "attn_v.weight", sd[h + "self_attn.v_proj.weight"].astype(f16))
+        matrix(g + "attn_q.weight", q)
+        matrix(g + "attn_k.weight", k)
+        matrix(g + "attn_v.weight", sd[h + "self_attn.v_proj.weight"])
         if kind == "qwen2":
             for x in "qkv":
                 w.add_tensor(g + f"attn_{x}.bias", sd[h + f"self_attn.{x}_proj.bias"])
-        w.add_tensor(g + "attn_output.weight", sd[h + "self_attn.o_proj.weight"].astype(f16))
+        matrix(g + "attn_output.weight", sd[h + "self_attn.o_proj.weight"])
         w.add_tensor(g + "ffn_norm.weight", sd[h + "post_attention_layernorm.weight"])
-        w.add_tensor(g + "ffn_gate.weight", sd[h + "mlp.gate_proj.weight"].astype(f16))
-        w.add_tensor(g + "ffn_up.weight", sd[h + "mlp.up_proj.weight"].astype(f16))
-        w.add_tensor(g + "ffn_down.weight", sd[h + "mlp.down_proj.weight"].astype(f16))
+        matrix(g + "ffn_gate.weight", sd[h + "mlp.gate_proj.weight"])
+        matrix(g + "ffn_up.weight", sd[h + "mlp.up_proj.weight"])
+        matrix(g + "ffn_down.weight", sd[h + "mlp.down_proj.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     if not c.tie_word_embeddings:
-        w.add_tensor("output.weight", sd["lm_head.weight"].astype(f16))
+        matrix("output.weight", sd["lm_head.weight"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_gguf_logits_match_transformers_loading_the_same_file(tmp_path, kind):
-    write_gguf(tmp_path / "tiny.gguf", tiny_hf_model(kind, vocab_size=len(SP_TOKENS)), kind)
+@pytest.mark.parametrize(
+    "kind,matrix_type", [("llama", Q.F16), ("llama", Q.BF16), ("llama", Q.Q8_0), ("qwen2", Q.Q8_0)]
+)
+def test_gguf_logits_match_transformers_loading_the_same_file(tmp_path, kind, matrix_type):
+    model = tiny_hf_model(kind, vocab_size=len(SP_TOKENS))
+    write_gguf(tmp_path / "tiny.gguf", model, kind, matrix_type)
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file="tiny.gguf", dtype=torch.float32
     )
@@ -373,7 +385,8 @@ def test_gguf_logits_match_transformers_loading_the_same_file(tmp_path, kind):
 
 
 def test_gguf_sentencepiece_tokenizer_matches_transformers(tmp_path):
-    write_gguf(tmp_path / "tiny.gguf", tiny_hf_model("llama", vocab_size=len(SP_TOKENS)), "llama")
+    model = tiny_hf_model("llama", vocab_size=len(SP_TOKENS))
+    write_gguf(tmp_path / "tiny.gguf", model, "llama", Q.F16)
     reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
     info = resolve(str(tmp_path / "tiny.gguf")).tokenizer
     assert (info.bos_id, info.eos_ids, info.add_bos) == (1, [2], True)

@@ -128,18 +128,25 @@ class GGUFSource:
             return value
 
         dim, n_heads = fact("embedding_length"), fact("attention.head_count")
-        scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
-        if scaling_type != "none":
-            raise ValueError(f"{self.path}: rope scaling {scaling_type!r} is not supported")
+        head_dim = fact("attention.key_length", dim // n_heads)
+        if fact("rope.dimension_count", head_dim) != head_dim:
+            raise ValueError(f"{self.path}: partial rotary embeddings are not supported")
         rope_scaling = None
+        scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+        if scaling_type == "linear":
+            factor = fact("rope.scaling.factor")
+            rope_scaling = {"freq_factors": [factor] * (head_dim // 2)}
+        elif scaling_type != "none":
+            raise ValueError(f"{self.path}: rope scaling {scaling_type!r} is not supported")
         if "rope_freqs.weight" in self._tensors:
+            # llama.cpp's form of Llama 3 scaling
             rope_scaling = {"freq_factors": self._read("rope_freqs.weight").tolist()}
         return ModelArgs(
             n_layers=fact("block_count"),
             dim=dim,
             n_heads=n_heads,
             n_kv_heads=fact("attention.head_count_kv", n_heads),
-            head_dim=fact("attention.key_length", dim // n_heads),
+            head_dim=head_dim,
             ffn_dim=fact("feed_forward_length"),
             vocab_size=fact("vocab_size", self._tensors["token_embd.weight"][0][0]),
             rope_theta=float(fact("rope.freq_base", 10000.0)),

@@ -16,14 +16,18 @@ from worker.tokenizer import TokenizerInfo, hf_tokenizer
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
-def _rope_scaling(config: dict, path: Path) -> dict | None:
+def _rope_scaling(config: dict, head_dim: int, path: Path) -> dict | None:
     # transformers 5 writes `rope_parameters`; earlier versions `rope_scaling`
     scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
+    if kind == "linear":
+        return {"freq_factors": [scaling["factor"]] * (head_dim // 2)}
     if kind != "llama3":
-        raise ValueError(f"{path}: rope scaling {kind!r} is not supported; supported: llama3")
+        raise ValueError(
+            f"{path}: rope scaling {kind!r} is not supported; supported: llama3, linear"
+        )
     return {key: scaling[key] for key in LLAMA3_KEYS}
 
 
@@ -36,6 +40,7 @@ def read_args(config: dict, path: Path) -> ModelArgs:
     if config.get("hidden_act", "silu") != "silu" or config.get("mlp_bias", False):
         raise ValueError(f"{path}: only SwiGLU feed-forwards without bias are supported")
     dim, n_heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or dim // n_heads
     theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
     max_context = config["max_position_embeddings"]
     if config.get("sliding_window") and config.get("use_sliding_window", True):
@@ -46,7 +51,7 @@ def read_args(config: dict, path: Path) -> ModelArgs:
         dim=dim,
         n_heads=n_heads,
         n_kv_heads=config.get("num_key_value_heads") or n_heads,
-        head_dim=config.get("head_dim") or dim // n_heads,
+        head_dim=head_dim,
         ffn_dim=config["intermediate_size"],
         vocab_size=config["vocab_size"],
         rope_theta=float(theta or 10000.0),
@@ -54,7 +59,7 @@ def read_args(config: dict, path: Path) -> ModelArgs:
         max_context=max_context,
         qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        rope_scaling=_rope_scaling(config, path),
+        rope_scaling=_rope_scaling(config, head_dim, path),
     )
 
 
