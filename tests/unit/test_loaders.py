@@ -125,6 +125,8 @@ def test_synthetic_weights_are_deterministic_and_split_consistent():
         same_params(a, b) for a, b in zip([*head.layers, *tail.layers], whole.layers, strict=True)
     )
     assert same_params(tail.norm, whole.norm) and same_params(tail.output, whole.output)
+    bf16 = source.load_stage(0, 1, torch.bfloat16, "cpu").layers[0].attention.wqkv.weight
+    assert torch.equal(bf16, whole.layers[0].attention.wqkv.weight.bfloat16())
     ids = list(range(0, 500, 7))
     hidden = run([whole], ids)
     assert torch.equal(run([head, tail], ids), hidden)

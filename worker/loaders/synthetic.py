@@ -69,7 +69,9 @@ class SyntheticSource:
             return torch.ones(shape, dtype=dtype, device=device)
         digest = hashlib.sha256(f"{self.name}/{name}".encode()).digest()
         generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-        w = torch.randn(shape, generator=generator) * WEIGHT_STD
+        # drawn in float32 whatever the run dtype, so every dtype rounds the same weights
+        w = torch.empty(shape, dtype=torch.float32, device="cpu")
+        w.normal_(0.0, WEIGHT_STD, generator=generator)
         return w.to(device=device, dtype=dtype)
 
     def load_stage(
