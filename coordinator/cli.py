@@ -73,8 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workers", type=int, default=2)
     demo.set_defaults(func=cmd_demo)
 
-    bench = sub.add_parser("bench", help="benchmarks; results under bench-results/")
-    bench.add_argument("scenario", choices=["decode"])
+    bench = sub.add_parser("bench", help="benchmarks; results under bench-results/",
+                           description="run a benchmark scenario (a module of `benchmarks`): "
+                           "decode, ...; `siding bench SCENARIO --help` lists its options")
+    bench.add_argument("scenario")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
 
@@ -232,9 +234,10 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from .bench import main as bench_main
-
-    bench_main([args.scenario, *args.rest])
+    # A fresh interpreter runs the scenario, so `coordinator` never imports the benchmarks.
+    debug = ["--debug"] if args.debug else []
+    os.execv(sys.executable,
+             [sys.executable, "-m", "benchmarks", *debug, args.scenario, *args.rest])
 
 
 def cmd_keys(args: argparse.Namespace) -> None:

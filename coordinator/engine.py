@@ -44,11 +44,13 @@ from .page_allocator import PageAllocator
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
 from .text import Detokenizer, TextCodec, find_stop
-from .worker_group import WorkerGroup
+from .worker_group import StartupError, WorkerGroup
 
 log = logging.getLogger("siding.coordinator")
 
 KEEPALIVE_SECONDS = 1.0
+MAX_RESTARTS = 3  # worker restarts within RESTART_WINDOW before the cluster gives up
+RESTART_WINDOW = 60.0
 CLIENT_HWM = 100_000  # queued replies per client before it counts as not reading
 
 
@@ -77,6 +79,7 @@ class Engine:
         self.next_seq = 0
         self.decode_steps = 0
         self.draining = False
+        self.restarts: list[float] = []
         self.failed: str | None = None  # set when the cluster can no longer serve
         self.codec: TextCodec | None = None
         self.allocator = PageAllocator(config.kv_pages)
@@ -103,14 +106,15 @@ class Engine:
 
     def start(self) -> None:
         """Spawn local workers (if configured) and wait until every one is READY."""
-        if self.config.spawn_workers:
-            self.workers.spawn_local()
-        model = self.workers.start(self._recv_worker_startup)
-        self.codec = TextCodec(model)
-        self.model = model
-        self.metrics.workers_up.set(self.workers.n_up)
+        self.workers.begin()
+        while not self.workers.ready:
+            got = self._recv_worker(200)
+            if got is not None:
+                self.workers.on_startup_message(*got)
+            self.workers.check_startup()
+        self._on_workers_ready()
 
-    def _recv_worker_startup(self, timeout_ms: int):
+    def _recv_worker(self, timeout_ms: int):
         if not self.worker_sock.poll(timeout_ms):
             return None
         parts = self.worker_sock.recv_multipart(copy=False)
@@ -121,6 +125,13 @@ class Engine:
             return None
         self.workers.note(parts[0].bytes, msg)
         return parts[0].bytes, msg
+
+    def _on_workers_ready(self) -> None:
+        self.model = self.workers.model
+        if self.codec is None:
+            self.codec = TextCodec(self.model)
+        self.metrics.workers_up.set(self.workers.n_up)
+        log.info("%d workers ready", self.workers.n_up)
 
     def close(self) -> None:
         self.workers.stop_local()
@@ -298,7 +309,7 @@ class Engine:
         return len(self.workers.handles) or 1
 
     def _dispatch(self) -> None:
-        if self.failed:
+        if self.failed or not self.workers.ready:
             return
         while len(self.inflight) < self._max_inflight():
             self._maybe_preempt_all()
@@ -361,6 +372,11 @@ class Engine:
     # ---- workers ----------------------------------------------------------------------------
 
     def _on_worker(self, identity: bytes, msg) -> None:
+        if not self.workers.ready:
+            self.workers.on_startup_message(identity, msg)
+            if self.workers.ready:
+                self._on_workers_ready()
+            return
         handle = self.workers.note(identity, msg)
         if handle is None:
             if isinstance(msg, Register):
@@ -474,15 +490,39 @@ class Engine:
         self._send(req.client, Error(code=code.value, message=message, request_id=req.id))
 
     def _check_workers(self) -> None:
-        dead = self.workers.dead()
-        if not dead:
+        if self.failed:
             return
-        ranks = ", ".join(str(h.rank) for h in dead)
-        self.failed = f"worker {ranks} stopped; the cluster cannot serve"
-        log.error(self.failed)
+        try:
+            if not self.workers.ready:
+                self.workers.check_startup()
+                return
+            dead = self.workers.dead()
+            if not dead:
+                return
+            ranks = ", ".join(str(h.rank) for h in dead)
+            now = time.monotonic()
+            self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW] + [now]
+            if not self.config.spawn_workers or len(self.restarts) > MAX_RESTARTS:
+                raise StartupError(f"worker {ranks} stopped")
+            log.error("worker %s stopped; restarting the workers, sequences will recompute",
+                      ranks)
+            self._recompute_all()
+            self.workers.restart()
+        except StartupError as e:
+            self.failed = f"{e}; the cluster cannot serve"
+            log.error(self.failed)
+            self.inflight.clear()
+            for req in list(self.requests.values()):
+                self._fail(req, ErrorCode.WORKER_FAILED, self.failed)
+
+    def _recompute_all(self) -> None:
+        """Every sequence's KV is gone with the workers: re-run their tokens from scratch."""
         self.inflight.clear()
-        for req in list(self.requests.values()):
-            self._fail(req, ErrorCode.WORKER_FAILED, self.failed)
+        self.to_free = []
+        for seq in list(reversed(self.scheduler.running)):  # appendleft: oldest ends first
+            seq.in_flight = False
+            self._preempt(seq)
+        self.to_free = []  # the new workers start with empty page tables
 
     def _update_gauges(self) -> None:
         m = self.metrics

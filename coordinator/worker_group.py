@@ -40,8 +40,11 @@ class WorkerGroup:
         self.sock = sock
         self.config = config
         self.handles: list[WorkerHandle] = []  # by rank once assigned
+        self.pending: list[WorkerHandle] = []  # registered, not yet assigned
         self.processes: list[subprocess.Popen] = []
         self.model: ModelInfo | None = None
+        self.ready = False
+        self.deadline = 0.0
 
     # ---- local processes --------------------------------------------------------------------
 
@@ -70,40 +73,51 @@ class WorkerGroup:
 
     # ---- handshake --------------------------------------------------------------------------
 
-    def start(self, recv) -> ModelInfo:
-        """Run the handshake until every worker is READY. `recv(timeout_ms)` yields
-        (identity, message) pairs from the worker socket or None."""
+    def begin(self) -> None:
+        """Start (or restart) the handshake; spawn local processes if this cluster owns them."""
+        if self.config.spawn_workers:
+            self.spawn_local()
+        self.pending = []
+        self.handles = []
+        self.ready = False
+        self.deadline = time.monotonic() + self.config.startup_timeout
+
+    def restart(self) -> None:
+        self.stop_local(timeout=2.0)
+        self.processes = []
+        self.begin()
+
+    def on_startup_message(self, identity: bytes, msg) -> None:
+        """Feed the handshake one message; `ready` turns true when every worker is READY."""
         c = self.config
-        deadline = time.monotonic() + c.startup_timeout
-        pending: list[WorkerHandle] = []
-        while len(pending) < c.workers:
-            self._check_deadline(deadline, f"{len(pending)} of {c.workers} workers registered")
-            got = recv(200)
-            if got is None:
-                continue
-            identity, msg = got
-            if isinstance(msg, Register) and not any(h.identity == identity for h in pending):
-                pending.append(WorkerHandle(identity, msg))
-        self._assign(pending)
-        while not all(h.ready for h in self.handles):
-            n_ready = sum(h.ready for h in self.handles)
-            self._check_deadline(deadline, f"{n_ready} of {c.workers} workers loaded")
-            got = recv(200)
-            if got is None:
-                continue
-            identity, msg = got
-            h = self._by_identity(identity)
-            if h is None:
-                continue
-            if isinstance(msg, StepError):
-                raise StartupError(f"worker {h.rank} failed to start: {msg.message}")
-            if isinstance(msg, Ready):
-                h.ready, h.layers, h.last_seen = True, (msg.layer_start, msg.layer_end), \
-                    time.monotonic()
-                if msg.rank == 0:
-                    self.model = msg.model
-        self._check_layers()
-        return self.model
+        if not self.handles:
+            if isinstance(msg, Register) and not any(h.identity == identity
+                                                     for h in self.pending):
+                self.pending.append(WorkerHandle(identity, msg))
+                if len(self.pending) == c.workers:
+                    self._assign(self.pending)
+            return
+        h = self._by_identity(identity)
+        if h is None:
+            return
+        if isinstance(msg, StepError):
+            raise StartupError(f"worker {h.rank} failed to start: {msg.message}")
+        if isinstance(msg, Ready):
+            h.ready, h.layers, h.last_seen = True, (msg.layer_start, msg.layer_end), \
+                time.monotonic()
+            if msg.rank == 0:
+                self.model = msg.model
+            if all(x.ready for x in self.handles):
+                self._check_layers()
+                self.ready = True
+
+    def check_startup(self) -> None:
+        """Raise StartupError if a local worker died or the deadline passed."""
+        if self.handles:
+            progress = f"{sum(h.ready for h in self.handles)} of {self.config.workers} loaded"
+        else:
+            progress = f"{len(self.pending)} of {self.config.workers} registered"
+        self._check_deadline(self.deadline, progress)
 
     def _assign(self, pending: list[WorkerHandle]) -> None:
         c = self.config
