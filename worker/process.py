@@ -62,7 +62,8 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 class Worker:
     def __init__(self, coordinator: str, rank: int, device: str, advertise: str,
-                 curve_keys: str | None, exit_with_parent: bool):
+                 curve_keys: str | None, insecure: bool, exit_with_parent: bool):
+        security.check_bind(f"tcp://{advertise}:0", curve_keys, insecure)
         self.coordinator = coordinator
         self.requested_rank = rank
         self.device = device
@@ -71,6 +72,7 @@ class Worker:
         self.ctl = self._dealer()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.auth = security.secure_server(self.pull, curve_keys) if curve_keys else None
         port = self.pull.bind_to_random_port(f"tcp://{advertise}")
         self.data_endpoint = f"tcp://{advertise}:{port}"
         self.push: zmq.Socket | None = None
@@ -139,6 +141,8 @@ class Worker:
         if a.next_endpoint:
             self.push = self.ctx.socket(zmq.PUSH)
             self.push.setsockopt(zmq.LINGER, 0)
+            if self.curve_keys:
+                security.secure_client(self.push, self.curve_keys)
             self.push.connect(a.next_endpoint)
         log.info("worker %d: layers [%d, %d) of %s on %s in %.1fs", a.rank, start, end,
                  source.name, self.device, time.perf_counter() - t0)
@@ -258,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="address the previous stage reaches this worker's activation socket on")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--curve-keys", default=None, help="directory with CURVE keys")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback activation socket without CURVE")
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--debug", action="store_true")
     a = p.parse_args(argv)
@@ -265,4 +271,9 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s worker %(levelname)s %(message)s")
     if a.threads:
         torch.set_num_threads(a.threads)
-    Worker(a.coordinator, a.rank, a.device, a.advertise, a.curve_keys, a.exit_with_parent).run()
+    try:
+        worker = Worker(a.coordinator, a.rank, a.device, a.advertise, a.curve_keys, a.insecure,
+                        a.exit_with_parent)
+    except ValueError as e:
+        p.error(str(e))
+    worker.run()
