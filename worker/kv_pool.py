@@ -10,12 +10,13 @@ import torch
 
 from .attention import paged_attention
 from .batch import BatchMeta
+from .exact import exact_paged_attention
 
 
 class KVPool:
     def __init__(
         self, n_layers: int, n_pages: int, page_size: int, n_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device | str,
+        dtype: torch.dtype, device: torch.device | str, exact: bool = False,
     ):
         shape = (n_layers, n_pages, page_size, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -23,6 +24,7 @@ class KVPool:
         self.page_size = page_size
         self.n_pages = n_pages
         self.scale = head_dim**-0.5
+        self.attention = exact_paged_attention if exact else paged_attention
         self.layers = [LayerView(self, i) for i in range(n_layers)]
 
     @property
@@ -43,4 +45,4 @@ class LayerView:
         k_pool, v_pool = self.pool.k[self.layer], self.pool.v[self.layer]
         k_pool[meta.write_pages, meta.write_offsets] = k.to(k_pool.dtype)
         v_pool[meta.write_pages, meta.write_offsets] = v.to(v_pool.dtype)
-        return paged_attention(q, k_pool, v_pool, meta, self.pool.scale)
+        return self.pool.attention(q, k_pool, v_pool, meta, self.pool.scale)

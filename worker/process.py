@@ -35,6 +35,7 @@ from protocol.messages import (
 )
 from protocol.wire import MAX_MESSAGE_BYTES, decode, encode
 
+from .exact import apply_exact
 from .kv_pool import KVPool
 from .loaders import resolve
 from .runner import ModelRunner
@@ -133,8 +134,10 @@ class Worker:
             start, end = layer_range(args.n_layers, a.n_workers, a.rank)
         dtype = resolve_dtype(a.dtype, self.device)
         stage = source.load_stage(start, end, dtype, self.device)
+        if a.exact:
+            apply_exact(stage, self.device)
         pool = KVPool(end - start, a.kv_pages, a.page_size, args.n_kv_heads, args.head_dim,
-                      dtype, self.device)
+                      dtype, self.device, exact=a.exact)
         self.runner = ModelRunner(stage, pool, self.device)
         self.dtype = dtype
         self.dim = args.dim

@@ -1,0 +1,65 @@
+"""Exact mode, switched on in one place: batch-invariant kernels around an unchanged model.
+
+`apply_exact(stage, device)` swaps the forward of each module whose arithmetic would depend on
+the other rows of its launch (every Linear; on CUDA also RMSNorm, whose reduction torch splits
+by shape there), as gpt-fast's `apply_tp` does for tensor parallelism. A `KVPool` built with
+`exact=True` attends through `exact_paged_attention`. docs/exact-mode.md says what is
+guaranteed and how each kernel keeps it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from .batch import BatchMeta
+from .kernels import exact_cpu
+from .model import RMSNorm, StageModel
+
+CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def apply_exact(stage: StageModel, device: torch.device | str) -> None:
+    """Raises ValueError (with what to change) where exact mode cannot be honoured."""
+    device = torch.device(device)
+    dtype = next(stage.parameters()).dtype
+    if device.type == "cpu":
+        if dtype != torch.float32:
+            raise ValueError(f"exact mode on the CPU needs --dtype float32 (got {dtype})")
+        weights = {m.weight.shape: m.weight for m in stage.modules() if isinstance(m, nn.Linear)}
+        for w in weights.values():
+            exact_cpu.check_row_invariance(w)
+        linear, norm = exact_cpu.linear, None
+    elif device.type == "cuda":
+        if dtype not in CUDA_DTYPES:
+            raise ValueError(f"exact mode on CUDA supports float32, bfloat16, float16 ({dtype})")
+        exact_triton = _triton()
+        linear, norm = exact_triton.linear, exact_triton.rms_norm
+    else:
+        raise ValueError(f"exact mode has kernels for cpu and cuda devices, not {device.type}")
+    for m in stage.modules():
+        if isinstance(m, nn.Linear):
+            m.forward = partial(linear, weight=m.weight, bias=m.bias)
+        elif isinstance(m, RMSNorm) and norm is not None:
+            m.forward = partial(norm, weight=m.weight, eps=m.eps)
+
+
+def exact_paged_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: BatchMeta, scale: float
+) -> torch.Tensor:
+    """`worker.attention.paged_attention`'s contract; each row's bits independent of the batch,
+    of the chunking of its prompt and of where its pages live."""
+    if q.device.type == "cuda":
+        return _triton().paged_attention(q, k_pool, v_pool, meta, scale)
+    return exact_cpu.paged_attention(q, k_pool, v_pool, meta, scale)
+
+
+def _triton():
+    try:
+        from .kernels import exact_triton
+    except ImportError as e:
+        raise ValueError(f"exact mode on CUDA needs Triton (pip install 'siding[gpu]'): {e}") \
+            from None
+    return exact_triton
