@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench lint clean prometheus
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -19,12 +19,25 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/siding demo
 
-test: $(STAMP)
+test: $(STAMP) prometheus
 	$(PY) -m ruff check protocol coordinator worker tests
 	$(PY) -m pytest -q -x tests
 
 bench: $(STAMP)
 	$(VENV)/bin/siding bench decode --device cpu
+
+# The metrics tests run a real Prometheus and promtool: Debian's `prometheus` package, installed
+# here when missing (as root or with password-less sudo; otherwise a message says what to run).
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
+	if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	else echo "make: prometheus and promtool are missing and this user cannot install them;" \
+		"run 'sudo apt-get install -y prometheus' (the metrics tests fail without them)" >&2; \
+		exit 0; fi; \
+	echo "make: installing Debian's prometheus package for the metrics tests"; \
+	$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		$$SUDO apt-get install -y -qq prometheus >/dev/null \
+	|| echo "make: could not install prometheus; the metrics tests will fail" >&2; }
 
 lint: $(STAMP)
 	$(PY) -m ruff check protocol coordinator worker tests

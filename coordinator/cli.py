@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _endpoint(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default=DEFAULT_ENDPOINT)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a reply")
+    p.add_argument("--curve-keys", default=None,
+                   help="CURVE keys directory, for a cluster started with --curve-keys")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 64) -> None:
@@ -118,7 +120,10 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     a("--preempt-every", type=int, default=0)
     a("--listen", default=DEFAULT_ENDPOINT)
     a("--worker-listen", default="tcp://127.0.0.1:5556")
-    a("--metrics-port", type=int, default=9400, help="0 turns the metrics endpoints off")
+    a("--metrics-port", type=int, default=9400,
+      help="coordinator metrics port P (worker i: P+1+i); 0 turns the metrics endpoints off")
+    a("--write-prometheus-config", metavar="PATH", default=None,
+      help="write a Prometheus scrape config for this cluster's metrics ports to PATH")
     a("--curve-keys", default=None, help="directory of CURVE keys (see `siding keys`)")
     a("--insecure", action="store_true", help="allow non-loopback binds without CURVE")
     a("--worker-threads", type=int, default=0)
@@ -143,27 +148,57 @@ def cmd_launch(args: argparse.Namespace) -> None:
     from .engine import Engine
 
     config = config_from_args(args)
+    if args.write_prometheus_config and not config.metrics_port:
+        raise ValueError("--write-prometheus-config needs the metrics on (--metrics-port P)")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     engine = Engine(config)
     try:
         if config.metrics_port:
-            engine.metrics.serve(config.metrics_port)
+            engine.metrics.serve(config.metrics_port, _host(config.listen))
+        if args.write_prometheus_config and config.spawn_workers:
+            _write_prometheus_config(args.write_prometheus_config, config, None)
         where = "local" if config.spawn_workers else "remote"
         print(f"siding: loading {config.model} on {config.workers} {where} worker(s)...",
               file=sys.stderr, flush=True)
         engine.start()
+        if args.write_prometheus_config and not config.spawn_workers:  # now their hosts are known
+            hosts = [_host(h.reg.data_endpoint) for h in engine.workers.handles]
+            _write_prometheus_config(args.write_prometheus_config, config, hosts)
         print(f"ready {engine.endpoint}", flush=True)
         engine.serve(should_stop=stop.is_set)
     finally:
         engine.close()
 
 
+def _host(endpoint: str) -> str:
+    """The host of a tcp:// endpoint; metrics bind where the client socket does (loopback
+    by default). Local workers advertise loopback."""
+    transport, _, address = endpoint.partition("://")
+    if transport != "tcp":
+        return "127.0.0.1"
+    host = address.rpartition(":")[0].removeprefix("[").removesuffix("]")
+    return "0.0.0.0" if host == "*" else host
+
+
+def _write_prometheus_config(path: str, config, worker_hosts: list[str] | None) -> None:
+    from pathlib import Path
+
+    from . import prometheus_config
+
+    text = prometheus_config.for_cluster(
+        config.metrics_port, config.workers,
+        coordinator_host=prometheus_config.scrape_host(_host(config.listen)),
+        worker_hosts=worker_hosts and [prometheus_config.scrape_host(h) for h in worker_hosts])
+    Path(path).write_text(text)
+    print(f"siding: wrote a Prometheus config to {path}", file=sys.stderr, flush=True)
+
+
 def _client(args: argparse.Namespace):
     from protocol import Client
 
-    return Client(args.endpoint, timeout=args.timeout)
+    return Client(args.endpoint, timeout=args.timeout, curve_keys_dir=args.curve_keys)
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -213,18 +248,43 @@ def cmd_status(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(s, indent=2))
         return
-    pool, reqs = s["pool"], s["requests"]
-    print(f"model     {s['model']}   exact mode: {'on' if s['exact'] else 'off'}")
-    print(f"requests  running {reqs['running']}   waiting {reqs['waiting']}   "
-          f"parked {reqs['parked']}")
-    print(f"kv pool   {pool['pages_used']} / {pool['pages_total']} pages used "
-          f"(page size {pool['page_size']})")
-    print(f"{'rank':>4}  {'device':<8} {'layers':<10} {'pid':>8}  {'host':<16} state")
+    print(status_table(s))
+
+
+def status_table(s: dict) -> str:
+    """`siding status` for people: the figures the Prometheus metrics carry."""
+    pool, reqs, lat = s["pool"], s["requests"], s["latency_mean_seconds"]
+
+    def counts(d: dict) -> str:
+        return "   ".join(f"{k} {v}" for k, v in d.items() if v) or "none"
+
+    lines = [
+        f"model      {s['model']}   exact mode {'on' if s['exact'] else 'off'}   "
+        f"workers up {s['workers_up']} of {len(s['workers'])}",
+        f"requests   running {reqs['running']}   waiting {reqs['waiting']}   "
+        f"parked {reqs['parked']}",
+        f"finished   {counts(s['finished'])}",
+        f"errors     {counts(s['errors'])}",
+        f"kv pool    {pool['pages_used']} / {pool['pages_total']} pages used "
+        f"(page size {pool['page_size']})   park store {s['park_pages_used']} pages used",
+        f"tokens     prompt {s['tokens']['prompt']}   generated {s['tokens']['generated']}",
+        f"preempted  {counts(s['preemptions'])}   restored {s['restores']}",
+        "latency    " + "   ".join(f"{k} {_seconds(v)}" for k, v in lat.items()) + "   (means)",
+        "",
+        f"{'rank':>4}  {'device':<8} {'layers':<10} {'pid':>8}  {'host':<16} {'state':<6} forward",
+    ]
     for w in s["workers"]:
         layers = f"{w['layers'][0]}-{w['layers'][1] - 1}"
         state = "up" if w["alive"] else "down"
-        print(f"{w['rank']:>4}  {w['device']:<8} {layers:<10} {w['pid']:>8}  "
-              f"{w['host'][:16]:<16} {state}")
+        lines.append(f"{w['rank']:>4}  {w['device']:<8} {layers:<10} {w['pid']:>8}  "
+                     f"{w['host'][:16]:<16} {state:<6} {_seconds(w['forward_seconds_mean'])}")
+    return "\n".join(lines)
+
+
+def _seconds(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s"
 
 
 def cmd_demo(args: argparse.Namespace) -> None:

@@ -78,6 +78,7 @@ class Engine:
         self.next_step = 0
         self.next_seq = 0
         self.decode_steps = 0
+        self.forward_seconds = [0.0, 0]  # the last stage's forward time: sum, steps
         self.draining = False
         self.restarts: list[float] = []
         self.failed: str | None = None  # set when the cluster can no longer serve
@@ -190,6 +191,7 @@ class Engine:
                 log.exception("failed to handle %s", type(msg).__name__)
                 if sock is self.clients:
                     rid = getattr(msg, "request_id", None)
+                    self.metrics.request_errors.labels(code="internal").inc()
                     self._send(identity, Error(code="internal", message="internal error",
                                                request_id=rid))
 
@@ -295,12 +297,45 @@ class Engine:
         return {
             "model": self.model.name if self.codec else None,
             "exact": c.exact,
-            "workers": self.workers.describe(),
+            "workers": self._workers_status(),
+            **self._figures(),
             "pool": {"page_size": c.page_size, "pages_total": c.kv_pages,
                      "pages_used": self.allocator.n_used, "pages_free": self.allocator.n_free},
             "requests": {"running": len(self.scheduler.running),
                          "waiting": len(self.scheduler.waiting), "parked": 0},
             "config": {k: v for k, v in asdict(c).items() if k != "curve_keys"},
+        }
+
+    def _workers_status(self) -> list[dict]:
+        workers = self.workers.describe()
+        total, steps = self.forward_seconds
+        for w in workers:  # only the last stage reports its forward time to the coordinator
+            last = w["rank"] == len(workers) - 1
+            w["forward_seconds_mean"] = total / steps if last and steps else None
+        return workers
+
+    def _figures(self) -> dict:
+        """The numbers the metrics export, read back from them, for `siding status`."""
+        m = self.metrics
+        return {
+            "workers_up": self.workers.n_up,
+            "tokens": {"prompt": int(m.value("siding_prompt_tokens_total")),
+                       "generated": int(m.value("siding_generation_tokens_total"))},
+            "finished": {k: int(v) for k, v in m.by_label("siding_requests",
+                                                          "finish_reason").items()},
+            "errors": {k: int(v) for k, v in m.by_label("siding_request_errors",
+                                                        "code").items()},
+            "preemptions": {k: int(v) for k, v in m.by_label("siding_preemptions",
+                                                             "action").items()},
+            "restores": int(m.value("siding_restores_total")),
+            "park_pages_used": int(m.value("siding_park_pages_used")),
+            "latency_mean_seconds": {
+                "queue": m.mean("siding_request_queue_seconds"),
+                "ttft": m.mean("siding_time_to_first_token_seconds"),
+                "itl": m.mean("siding_inter_token_latency_seconds"),
+                "e2e": m.mean("siding_e2e_request_latency_seconds"),
+                "step": m.mean("siding_step_seconds"),
+            },
         }
 
     # ---- scheduling and dispatch ------------------------------------------------------------
@@ -400,6 +435,8 @@ class Engine:
         if rec is None:
             return
         self.metrics.step_seconds.observe(time.monotonic() - rec.sent)
+        self.forward_seconds[0] += msg.forward_seconds
+        self.forward_seconds[1] += 1
         sampled = dict(zip(msg.seq_ids, msg.tokens))
         touched: dict[int, Request] = {}
         for seq, n in rec.batch:
@@ -412,17 +449,21 @@ class Engine:
                 touched[id(seq.request)] = seq.request
         for req in touched.values():
             if (req.client, req.id) in self.requests:
+                self._token_times(req)
                 self._emit(req)
 
-    def _append(self, seq: Sequence, token: int) -> None:
-        req, p = seq.request, seq.request.params
+    def _token_times(self, req: Request) -> None:
+        """Once per step that gave `req` tokens, so its `n` choices do not time each other."""
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.ttft.observe(now - req.arrival)
-        elif req.last_token_time is not None:
+        else:
             self.metrics.itl.observe(now - req.last_token_time)
         req.last_token_time = now
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        p = seq.request.params
         self.metrics.generation_tokens.inc()
         seq.token_ids.append(token)
         stop_token = (token in self.codec.eos_ids and not p.ignore_eos) or \

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from protocol.errors import ErrorCode
+
+FINISH_REASONS = ("stop", "length", "abort")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
                    5.12, 10.24, 20.48, 60.0)
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -53,6 +56,24 @@ class CoordinatorMetrics:
             self.preemptions.labels(action=action)
         for direction in ("out", "in"):
             self.park_bytes.labels(direction=direction)
+        for reason in FINISH_REASONS:
+            self.requests.labels(finish_reason=reason)
+        for code in ErrorCode:
+            self.request_errors.labels(code=code.value)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
+
+    def value(self, name: str, **labels: str) -> float:
+        """A sample as a scrape shows it (`siding_restores_total`, `..._count`), 0 if absent."""
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        """A labelled counter's totals, e.g. by_label("siding_requests", "finish_reason")."""
+        return {s.labels[label]: s.value for family in self.registry.collect()
+                if family.name == name for s in family.samples if s.name == name + "_total"}
+
+    def mean(self, name: str) -> float | None:
+        """A histogram's mean, None before its first observation."""
+        count = self.value(name + "_count")
+        return self.value(name + "_sum") / count if count else None

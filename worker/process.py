@@ -38,6 +38,7 @@ from protocol.wire import MAX_MESSAGE_BYTES, decode, encode
 from .exact import apply_exact
 from .kv_pool import KVPool
 from .loaders import resolve
+from .metrics import WorkerMetrics
 from .runner import ModelRunner
 
 log = logging.getLogger("siding.worker")
@@ -66,6 +67,7 @@ class Worker:
                  curve_keys: str | None, insecure: bool, exit_with_parent: bool):
         security.check_bind(f"tcp://{advertise}:0", curve_keys, insecure)
         self.coordinator = coordinator
+        self.advertise = advertise  # the activation and metrics sockets bind here
         self.requested_rank = rank
         self.device = device
         self.curve_keys = curve_keys
@@ -126,6 +128,13 @@ class Worker:
 
     def _load(self, a: Assign) -> Ready:
         t0 = time.perf_counter()
+        self.metrics = WorkerMetrics(a.rank, self.device, a.pipeline_depth, a.exact)
+        if a.metrics_port is not None:
+            try:
+                self.metrics.serve(a.metrics_port, self.advertise)
+            except OSError as e:
+                raise RuntimeError(f"cannot serve metrics on {self.advertise}:"
+                                   f"{a.metrics_port}: {e.strerror}") from None
         source = resolve(a.model)
         args = source.args
         if a.layer_start is not None and a.layer_end is not None:
@@ -212,12 +221,15 @@ class Worker:
             out = runner.forward(plan, meta, hidden)
             if runner.last:
                 seq_ids, tokens = runner.sample(plan, meta, out)
+                elapsed = time.perf_counter() - t0
+                self.metrics.forward(elapsed)
                 self.ctl.send_multipart(encode(StepResult(
                     step=plan.step, seq_ids=seq_ids, tokens=tokens,
-                    forward_seconds=time.perf_counter() - t0,
+                    forward_seconds=elapsed,
                 )))
             else:
-                out = out.contiguous().cpu()
+                out = out.contiguous().cpu()  # waits for the device: the stage's whole time
+                self.metrics.forward(time.perf_counter() - t0)
                 header = Activations(step=plan.step, dtype=str(self.dtype).removeprefix("torch."),
                                      shape=list(out.shape))
                 self.push.send_multipart(encode(header, [out.view(torch.uint8).numpy()]),
@@ -255,20 +267,26 @@ class Worker:
             raise SystemExit(1)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="siding worker", description="a siding worker process")
     p.add_argument("--coordinator", default="tcp://127.0.0.1:5556",
                    help="the coordinator's worker endpoint")
     p.add_argument("--rank", type=int, default=-1, help="pipeline rank (default: by arrival)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--advertise", default="127.0.0.1",
-                   help="address the previous stage reaches this worker's activation socket on")
+                   help="address the previous stage reaches this worker's activation socket "
+                   "on, and Prometheus its metrics")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--curve-keys", default=None, help="directory with CURVE keys")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback activation socket without CURVE")
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--debug", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s worker %(levelname)s %(message)s")
