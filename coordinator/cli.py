@@ -114,7 +114,8 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     a("--exact", action="store_true")
     a("--page-size", type=int, default=16)
     a("--kv-pages", type=int, default=1024)
-    a("--park-pages", type=int, default=4096)
+    a("--park-pages", type=int, default=None,
+      help="host park store slots per worker (default: as many as --kv-pages)")
     a("--max-batch-seqs", type=int, default=64)
     a("--max-batch-tokens", type=int, default=512)
     a("--preempt-every", type=int, default=0)

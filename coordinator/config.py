@@ -17,7 +17,7 @@ class CoordinatorConfig:
     exact: bool = False
     page_size: int = 16
     kv_pages: int = 1024
-    park_pages: int = 4096
+    park_pages: int | None = None  # host park store slots; default: as many as --kv-pages
     max_batch_seqs: int = 64
     max_batch_tokens: int = 512
     preempt_every: int = 0
@@ -30,9 +30,12 @@ class CoordinatorConfig:
     worker_threads: int = 0  # torch threads per local worker (0: cores / workers)
     startup_timeout: float = 600.0
     heartbeat_timeout: float = 2.0
+    step_timeout: float = 300.0  # a step in flight longer than this restarts the workers
     max_waiting: int = 4096  # queued requests before new ones get `overloaded`
 
     def __post_init__(self) -> None:
+        if self.park_pages is None:
+            self.park_pages = self.kv_pages
         if len(self.devices) == 1 and self.workers > 1:
             self.devices = self.devices * self.workers
         self.validate()

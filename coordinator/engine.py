@@ -24,6 +24,7 @@ from protocol.messages import (
     Chunk,
     Error,
     Generate,
+    PageMove,
     Ready,
     Register,
     Result,
@@ -41,7 +42,7 @@ from protocol.wire import MAX_MESSAGE_BYTES, decode, encode
 from .config import CoordinatorConfig
 from .metrics import CoordinatorMetrics
 from .page_allocator import PageAllocator
-from .scheduler import Scheduler
+from .scheduler import Schedule, Scheduler
 from .sequence import Request, Sequence
 from .text import Detokenizer, TextCodec, find_stop
 from .worker_group import StartupError, WorkerGroup
@@ -56,7 +57,7 @@ CLIENT_HWM = 100_000  # queued replies per client before it counts as not readin
 
 @dataclass
 class InFlight:
-    batch: list[tuple[Sequence, int]]
+    sched: Schedule
     sent: float
 
 
@@ -84,8 +85,10 @@ class Engine:
         self.failed: str | None = None  # set when the cluster can no longer serve
         self.codec: TextCodec | None = None
         self.allocator = PageAllocator(config.kv_pages)
-        self.scheduler = Scheduler(self.allocator, config.page_size, config.max_batch_seqs,
-                                   config.max_batch_tokens)
+        self.park_slots = PageAllocator(config.park_pages)
+        self.scheduler = Scheduler(self.allocator, self.park_slots, config.page_size,
+                                   config.max_batch_seqs, config.max_batch_tokens)
+        self.page_bytes = 0  # KV bytes of one page summed over every worker's layers
         self.metrics.kv_pages_total.set(config.kv_pages)
 
     def _router(self, endpoint: str) -> zmq.Socket:
@@ -129,6 +132,7 @@ class Engine:
 
     def _on_workers_ready(self) -> None:
         self.model = self.workers.model
+        self.page_bytes = self.workers.kv_bytes_per_page
         if self.codec is None:
             self.codec = TextCodec(self.model)
         self.metrics.workers_up.set(self.workers.n_up)
@@ -301,8 +305,10 @@ class Engine:
             **self._figures(),
             "pool": {"page_size": c.page_size, "pages_total": c.kv_pages,
                      "pages_used": self.allocator.n_used, "pages_free": self.allocator.n_free},
+            "park": {"slots_total": self.park_slots.n_pages, "slots_used": self.park_slots.n_used},
             "requests": {"running": len(self.scheduler.running),
-                         "waiting": len(self.scheduler.waiting), "parked": 0},
+                         "waiting": len(self.scheduler.waiting),
+                         "parked": len(self.scheduler.parked)},
             "config": {k: v for k, v in asdict(c).items() if k != "curve_keys"},
         }
 
@@ -347,39 +353,44 @@ class Engine:
         if self.failed or not self.workers.ready:
             return
         while len(self.inflight) < self._max_inflight():
-            self._maybe_preempt_all()
-            batch = self.scheduler.schedule()
-            if not batch:
+            if self._preempt_all_due():
+                continue
+            sched = self.scheduler.schedule()
+            if not sched:
                 if not self.inflight and self._make_room():
                     continue
                 return
-            self._send_step(batch)
+            self._send_step(sched)
 
     def _make_room(self) -> bool:
-        """Nothing fits and nothing runs: preempt one sequence so the others can grow."""
-        if not self.scheduler.running:
-            return False
+        """Nothing fits and nothing runs (pages shared between `n` completions do not come
+        back when one holder leaves): preempt the worst sequence so the others can grow."""
         victim = self.scheduler.pick_victim()
         if victim is None:
             return False
-        self._preempt(victim)
+        sched = Schedule()
+        self.scheduler.preempt(victim, sched)
+        self._send_step(sched)
         return True
 
-    def _maybe_preempt_all(self) -> None:
+    def _preempt_all_due(self) -> bool:
+        """--preempt-every K: every K decode steps, park every running sequence (restored by
+        the next schedule, into other pages)."""
         k = self.config.preempt_every
-        if k and self.decode_steps >= k and not self.inflight:
-            self.decode_steps = 0
-            for seq in [s for s in self.scheduler.running if s.n_remaining == 1]:
-                self._preempt(seq)
+        if not k or self.decode_steps < k or self.inflight:
+            return False
+        self.decode_steps = 0
+        sched = Schedule()
+        for seq in [s for s in self.scheduler.running if s.pages]:
+            self.scheduler.preempt(seq, sched)
+        if not sched:
+            return False
+        self._send_step(sched)
+        return True
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.scheduler.recompute(seq)
-        self.to_free.append(seq.id)
-        self.metrics.preemptions.labels(action="recompute").inc()
-
-    def _send_step(self, batch: list[tuple[Sequence, int]]) -> None:
+    def _send_step(self, sched: Schedule) -> None:
         plans, tokens = [], []
-        for seq, n in batch:
+        for seq, n in sched.batch:
             seq.in_flight = True
             sampling = None
             if not seq.announced:
@@ -396,13 +407,31 @@ class Engine:
             if seq.request.scheduled_time is None:
                 seq.request.scheduled_time = time.monotonic()
                 self.metrics.queue.observe(seq.request.scheduled_time - seq.request.arrival)
+        for seq in sched.recomputed:
+            self.to_free.append(seq.id)
+        self._count_preemptions(sched)
         step = self.next_step
         self.next_step += 1
-        self.workers.send(Step(step=step, seqs=plans, token_ids=tokens, free=self.to_free))
+        self.workers.send(Step(
+            step=step, seqs=plans, token_ids=tokens, free=self.to_free,
+            park=[PageMove(id=m.seq.id, pages=m.pages, slots=m.slots) for m in sched.parks],
+            restore=[PageMove(id=m.seq.id, pages=m.pages, slots=m.slots)
+                     for m in sched.restores],
+        ))
         self.to_free = []
-        if all(n == 1 for _, n in batch):
+        if sched.batch and all(n == 1 for _, n in sched.batch):
             self.decode_steps += 1
-        self.inflight[step] = InFlight(batch, time.monotonic())
+        self.inflight[step] = InFlight(sched, time.monotonic())
+
+    def _count_preemptions(self, sched: Schedule) -> None:
+        m = self.metrics
+        m.preemptions.labels(action="park").inc(len(sched.parks))
+        m.preemptions.labels(action="recompute").inc(len(sched.recomputed))
+        m.restores.inc(len(sched.restores))
+        m.park_bytes.labels(direction="out").inc(
+            sum(len(x.pages) for x in sched.parks) * self.page_bytes)
+        m.park_bytes.labels(direction="in").inc(
+            sum(len(x.pages) for x in sched.restores) * self.page_bytes)
 
     # ---- workers ----------------------------------------------------------------------------
 
@@ -420,15 +449,30 @@ class Engine:
         if isinstance(msg, StepResult):
             self._on_result(msg)
         elif isinstance(msg, StepError):
-            rec = self.inflight.pop(msg.step, None)
-            log.error("step %d failed: %s", msg.step, msg.message)
-            if rec is not None:
-                for seq, _ in rec.batch:
-                    seq.in_flight = False
-                    if seq.finish_reason is None:
-                        self._fail(seq.request, ErrorCode.INTERNAL, msg.message)
+            self._on_step_error(msg)
         elif isinstance(msg, Ready):
             log.warning("unexpected READY from worker %d", msg.rank)
+
+    def _on_step_error(self, msg: StepError) -> None:
+        """The sequences a worker named fail; the rest of the step recompute from their tokens,
+        since how far each stage got with the step is unknown."""
+        rec = self.inflight.pop(msg.step, None)
+        log.error("step %d failed: %s", msg.step, msg.message)
+        if rec is None:
+            return
+        sched = rec.sched
+        involved = [s for s, _ in sched.batch] + [m.seq for m in sched.parks + sched.restores]
+        for seq in involved:
+            seq.in_flight = False
+        for seq in dict.fromkeys(involved):
+            if seq.request.finished or (seq.request.client, seq.request.id) not in self.requests:
+                continue
+            if not msg.seq_ids or seq.id in msg.seq_ids:
+                self._fail(seq.request, ErrorCode.INTERNAL, msg.message)
+            else:
+                self.scheduler.recompute(seq)
+                self.to_free.append(seq.id)
+                self.metrics.preemptions.labels(action="recompute").inc()
 
     def _on_result(self, msg: StepResult) -> None:
         rec = self.inflight.pop(msg.step, None)
@@ -437,9 +481,11 @@ class Engine:
         self.metrics.step_seconds.observe(time.monotonic() - rec.sent)
         self.forward_seconds[0] += msg.forward_seconds
         self.forward_seconds[1] += 1
+        if msg.park_seconds:
+            self.metrics.park_seconds.observe(msg.park_seconds)
         sampled = dict(zip(msg.seq_ids, msg.tokens))
         touched: dict[int, Request] = {}
-        for seq, n in rec.batch:
+        for seq, n in rec.sched.batch:
             seq.in_flight = False
             if seq.finish_reason is not None or seq.request.finished:
                 continue
@@ -515,7 +561,7 @@ class Engine:
         for seq in req.seqs:
             if seq.finish_reason is None:
                 seq.finish_reason = "abort"
-            if seq.pages or seq in self.scheduler.waiting or seq in self.scheduler.running:
+            if seq.pages or seq.park_slots or self.scheduler.holds(seq):
                 self.scheduler.remove(seq)
                 self.to_free.append(seq.id)
         if notify:
@@ -537,11 +583,13 @@ class Engine:
             if not self.workers.ready:
                 self.workers.check_startup()
                 return
-            dead = self.workers.dead()
-            if not dead:
-                return
-            ranks = ", ".join(str(h.rank) for h in dead)
             now = time.monotonic()
+            dead = self.workers.dead()
+            stuck = [step for step, rec in self.inflight.items()
+                     if now - rec.sent > self.config.step_timeout]
+            if not dead and not stuck:
+                return
+            ranks = ", ".join(str(h.rank) for h in dead) or f"(step {stuck[0]} stuck)"
             self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW] + [now]
             if not self.config.spawn_workers or len(self.restarts) > MAX_RESTARTS:
                 raise StartupError(f"worker {ranks} stopped")
@@ -559,10 +607,11 @@ class Engine:
     def _recompute_all(self) -> None:
         """Every sequence's KV is gone with the workers: re-run their tokens from scratch."""
         self.inflight.clear()
-        self.to_free = []
-        for seq in list(reversed(self.scheduler.running)):  # appendleft: oldest ends first
-            seq.in_flight = False
-            self._preempt(seq)
+        every = list(self.scheduler.parked) + self.scheduler.running
+        for seq in sorted(every, key=lambda s: (s.request.arrival, s.id), reverse=True):
+            seq.in_flight = False  # appendleft: the oldest ends up first
+            self.scheduler.recompute(seq)
+            self.metrics.preemptions.labels(action="recompute").inc()
         self.to_free = []  # the new workers start with empty page tables
 
     def _update_gauges(self) -> None:
@@ -570,4 +619,6 @@ class Engine:
         m.requests_running.set(len(self.scheduler.running))
         m.requests_waiting.set(len(self.scheduler.waiting))
         m.kv_pages_used.set(self.allocator.n_used)
+        m.park_pages_used.set(self.park_slots.n_used)
+        m.requests_parked.set(len(self.scheduler.parked))
         m.workers_up.set(self.workers.n_up)

@@ -15,8 +15,10 @@ import time
 
 
 class LocalCluster:
-    def __init__(self, *launch_args: str, timeout: float = 600.0, quiet: bool = True):
+    def __init__(self, *launch_args: str, timeout: float = 600.0, quiet: bool = True,
+                 command: str = "launch"):
         self.args = list(launch_args)
+        self.command = command  # "coordinator" waits for workers started elsewhere
         self.timeout = timeout
         self.quiet = quiet
         self.proc: subprocess.Popen | None = None
@@ -40,7 +42,7 @@ class LocalCluster:
             args += ["--metrics-port", "0"]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "coordinator", "launch", *args], stdout=subprocess.PIPE,
+            [sys.executable, "-m", "coordinator", self.command, *args], stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
         )
         threading.Thread(target=self._read_stderr, daemon=True).start()

@@ -1,16 +1,21 @@
-"""Page ids of the KV pool: integer bookkeeping only, the workers own the bytes.
+"""Page ids of the KV pool (or slots of the park store): integer bookkeeping only, the workers
+own the bytes.
 
 Check-then-act: `can_allocate` never mutates; `allocate` assumes it was checked. A page freed by
 every holder returns to the free list; reference counts let `n > 1` completions share pages.
+The free list is a FIFO: a freed page goes to the back, so a restored sequence lands on other
+pages than it left (placement bugs show up), and consecutive allocations tend to be runs.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 
 class PageAllocator:
     def __init__(self, n_pages: int):
         self.n_pages = n_pages
-        self.free_pages = list(range(n_pages - 1, -1, -1))  # a stack: pop() gives the lowest id
+        self.free_pages = deque(range(n_pages))
         self.refs = [0] * n_pages
 
     @property
@@ -26,7 +31,7 @@ class PageAllocator:
 
     def allocate(self, n: int) -> list[int]:
         assert n <= len(self.free_pages), "allocate() without can_allocate()"
-        pages = [self.free_pages.pop() for _ in range(n)]
+        pages = [self.free_pages.popleft() for _ in range(n)]
         for p in pages:
             self.refs[p] = 1
         return pages
@@ -37,7 +42,7 @@ class PageAllocator:
             self.refs[p] += 1
 
     def free(self, pages: list[int]) -> None:
-        for p in reversed(pages):
+        for p in pages:
             assert self.refs[p] > 0, f"page {p} freed twice"
             self.refs[p] -= 1
             if self.refs[p] == 0:

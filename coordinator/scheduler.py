@@ -1,28 +1,53 @@
-"""Continuous batching with chunked prefill. Decides what runs next; never moves bytes.
+"""Continuous batching with chunked prefill and page-counting preemption. Decides what runs
+next; never moves bytes.
 
 Each step takes, in order: one row for every running sequence that is decoding, then prompt
-chunks of running sequences, then new sequences from the queue, within `max_batch_seqs` and
-`max_batch_tokens`. Pages are counted, not tokens: a step that crosses a page boundary costs a
-page. When running sequences cannot grow, the lowest-priority, newest one is preempted.
+chunks of running sequences, then parked sequences restored (oldest first), then new sequences
+from the queue, within `max_batch_seqs` and `max_batch_tokens`. Pages are counted, not tokens: a
+partly filled tail page is charged in full and a step that crosses a page boundary costs a page.
+When a running sequence cannot grow, sequences worse than it (lower priority, then newer) are
+parked: their pages go to the park store and are freed. With the store full, a victim is
+dropped to recompute from its token history instead.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from .page_allocator import PageAllocator
 from .sequence import Sequence
 
 
+@dataclass
+class Move:
+    seq: Sequence
+    pages: list[int]
+    slots: list[int]
+
+
+@dataclass
+class Schedule:
+    batch: list[tuple[Sequence, int]] = field(default_factory=list)
+    parks: list[Move] = field(default_factory=list)
+    restores: list[Move] = field(default_factory=list)
+    recomputed: list[Sequence] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.batch or self.parks or self.restores or self.recomputed)
+
+
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, page_size: int, max_batch_seqs: int,
-                 max_batch_tokens: int):
+    def __init__(self, allocator: PageAllocator, park_slots: PageAllocator, page_size: int,
+                 max_batch_seqs: int, max_batch_tokens: int):
         self.allocator = allocator
+        self.park_slots = park_slots
         self.page_size = page_size
         self.max_batch_seqs = max_batch_seqs
         self.max_batch_tokens = max_batch_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.parked: deque[Sequence] = deque()  # oldest parked first
 
     def pages_for(self, n_positions: int) -> int:
         return -(-n_positions // self.page_size)
@@ -33,37 +58,63 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Forget a finished or aborted sequence and free its pages."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.allocator.free(seq.pages)
-        seq.pages = []
+    def holds(self, seq: Sequence) -> bool:
+        return seq in self.running or seq in self.waiting or seq in self.parked
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        batch: list[tuple[Sequence, int]] = []
+    def remove(self, seq: Sequence) -> None:
+        """Forget a finished or aborted sequence and free its pages and park slots."""
+        for queue in (self.running, self.waiting, self.parked):
+            if seq in queue:
+                queue.remove(seq)
+        self.allocator.free(seq.pages)
+        self.park_slots.free(seq.park_slots)
+        seq.pages, seq.park_slots = [], []
+
+    def schedule(self) -> Schedule:
+        out = Schedule()
         budget = self.max_batch_tokens
         ready = [s for s in self.running if not s.in_flight]
         decoding = [s for s in ready if s.n_remaining == 1]
         for seq in decoding + [s for s in ready if s.n_remaining > 1]:
-            if len(batch) >= self.max_batch_seqs or budget == 0:
+            if len(out.batch) >= self.max_batch_seqs or budget == 0:
                 break
+            if seq not in self.running:  # parked by an earlier sequence of this step
+                continue
             n = min(seq.n_remaining, budget)
+            while not self.allocator.can_allocate(self.pages_needed(seq, n)):
+                victim = self._victim(worse_than=seq, keep=[s for s, _ in out.batch])
+                if victim is None:
+                    break
+                self.preempt(victim, out)
             if self._reserve(seq, n):
-                batch.append((seq, n))
+                out.batch.append((seq, n))
                 budget -= n
-        while self.waiting and len(batch) < self.max_batch_seqs and budget > 0:
+        if out.parks or out.recomputed:
+            return out  # never restore or admit in the step that had to make room
+        while self.parked and len(out.batch) < self.max_batch_seqs and budget > 0:
+            seq = self.parked[0]
+            n = min(seq.n_remaining, budget)
+            if not self.allocator.can_allocate(len(seq.park_slots) + 1):
+                return out  # restores go first: nothing new is admitted past a parked one
+            self.parked.popleft()
+            pages = self.allocator.allocate(len(seq.park_slots))
+            out.restores.append(Move(seq, list(pages), list(seq.park_slots)))
+            self.park_slots.free(seq.park_slots)
+            seq.pages, seq.pages_sent, seq.park_slots = pages, len(pages), []
+            self.running.append(seq)
+            if self._reserve(seq, n):
+                out.batch.append((seq, n))
+                budget -= n
+        while self.waiting and len(out.batch) < self.max_batch_seqs and budget > 0:
             seq = self.waiting[0]
             n = min(seq.n_remaining, budget)
             if not self._reserve(seq, n):
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            batch.append((seq, n))
+            out.batch.append((seq, n))
             budget -= n
-        return batch
+        return out
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         need = self.pages_needed(seq, n)
@@ -72,20 +123,50 @@ class Scheduler:
         seq.pages += self.allocator.allocate(need)
         return True
 
+    @staticmethod
+    def _rank(seq: Sequence) -> tuple:
+        """Smaller is worse: lower priority, then newer."""
+        return (seq.priority, -seq.request.arrival, -seq.id)
+
+    def _victim(self, worse_than: Sequence, keep: list[Sequence]) -> Sequence | None:
+        idle = [s for s in self.running
+                if not s.in_flight and s is not worse_than and s not in keep and s.pages
+                and self._rank(s) < self._rank(worse_than)]
+        return min(idle, key=self._rank, default=None)
+
     def pick_victim(self) -> Sequence | None:
-        """Lowest priority first, then the newest; never one whose step is in flight."""
-        idle = [s for s in self.running if not s.in_flight]
-        if not idle:
-            return None
-        return min(idle, key=lambda s: (s.priority, -s.request.arrival, -s.id))
+        """The worst idle running sequence, whatever it is compared with."""
+        idle = [s for s in self.running if not s.in_flight and s.pages]
+        return min(idle, key=self._rank, default=None)
+
+    def preempt(self, seq: Sequence, out: Schedule) -> None:
+        """Park `seq` if the store has room, else drop it to recompute."""
+        self.running.remove(seq)
+        seq.preemptions += 1
+        if self.park_slots.can_allocate(len(seq.pages)):
+            slots = self.park_slots.allocate(len(seq.pages))
+            out.parks.append(Move(seq, list(seq.pages), list(slots)))
+            self.allocator.free(seq.pages)
+            seq.pages, seq.pages_sent, seq.park_slots = [], 0, slots
+            self.parked.append(seq)
+        else:
+            self._drop_to_recompute(seq)
+            out.recomputed.append(seq)
 
     def recompute(self, seq: Sequence) -> None:
-        """Preempt by recompute: drop its pages; it re-runs its tokens when readmitted."""
-        self.running.remove(seq)
+        """Preempt by recompute: drop its pages (or park slots); it re-runs its tokens when
+        readmitted."""
+        for queue in (self.running, self.parked):
+            if seq in queue:
+                queue.remove(seq)
+        seq.preemptions += 1
+        self._drop_to_recompute(seq)
+
+    def _drop_to_recompute(self, seq: Sequence) -> None:
         self.allocator.free(seq.pages)
-        seq.pages = []
+        self.park_slots.free(seq.park_slots)
+        seq.pages, seq.park_slots = [], []
         seq.n_computed = 0
         seq.pages_sent = 0
         seq.announced = False
-        seq.preemptions += 1
         self.waiting.appendleft(seq)

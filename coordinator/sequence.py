@@ -39,6 +39,7 @@ class Sequence:
     n_prompt: int = 0
     n_computed: int = 0  # positions whose K/V the workers hold
     pages: list[int] = field(default_factory=list)
+    park_slots: list[int] = field(default_factory=list)  # where its pages wait while parked
     pages_sent: int = 0  # leading entries of `pages` the workers already hold
     in_flight: bool = False
     announced: bool = False  # the workers know its sampling parameters

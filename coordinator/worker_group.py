@@ -32,6 +32,7 @@ class WorkerHandle:
     layers: tuple[int, int] = (0, 0)
     ready: bool = False
     alive: bool = True
+    kv_bytes_per_page: int = 0
     last_seen: float = 0.0
 
 
@@ -105,6 +106,7 @@ class WorkerGroup:
         if isinstance(msg, Ready):
             h.ready, h.layers, h.last_seen = True, (msg.layer_start, msg.layer_end), \
                 time.monotonic()
+            h.kv_bytes_per_page = msg.kv_bytes_per_page
             if msg.rank == 0:
                 self.model = msg.model
             if all(x.ready for x in self.handles):
@@ -194,6 +196,10 @@ class WorkerGroup:
                 h.alive = False
                 found.append(h)
         return found
+
+    @property
+    def kv_bytes_per_page(self) -> int:
+        return sum(h.kv_bytes_per_page for h in self.handles)
 
     @property
     def n_up(self) -> int:

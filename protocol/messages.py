@@ -244,12 +244,34 @@ class SeqPlan:
 
 
 @dataclass
+class PageMove:
+    """Park (`pages` -> park `slots`) or restore (`slots` -> `pages`) one sequence's KV."""
+
+    id: int = _field(lo=0)
+    pages: list[int] = _field([], max_len=MAX_LIST)
+    slots: list[int] = _field([], max_len=MAX_LIST)
+
+
+@dataclass
+class PageCopy:
+    """Copy one page into another (the copy-on-write tail of a forked prompt)."""
+
+    src: int = _field(lo=0)
+    dst: int = _field(lo=0)
+
+
+@dataclass
 class Step:
+    """A step, applied in this order: free, park, restore, copies, then the sequences' rows."""
+
     TYPE: ClassVar[MsgType] = MsgType.STEP
     step: int = _field(lo=0)
     seqs: list[SeqPlan] = _field([], max_len=MAX_LIST)
     token_ids: list[int] = _field([], max_len=MAX_TOKENS_LIST)  # sum of seqs' n, in order
     free: list[int] = _field([], max_len=MAX_LIST)  # sequences to forget before this step
+    park: list[PageMove] = _field([], max_len=MAX_LIST)
+    restore: list[PageMove] = _field([], max_len=MAX_LIST)  # sets the sequence's page table
+    copies: list[PageCopy] = _field([], max_len=MAX_LIST)
 
 
 @dataclass
@@ -259,6 +281,7 @@ class StepResult:
     seq_ids: list[int] = _field([], max_len=MAX_LIST)
     tokens: list[int] = _field([], max_len=MAX_LIST)
     forward_seconds: float = _field(0.0, lo=0.0)
+    park_seconds: float = _field(0.0, lo=0.0)  # parks and restores of this step, last stage
 
 
 @dataclass
@@ -267,6 +290,7 @@ class StepError:
     step: int = _field(lo=0)
     code: str = _field(max_len=32)
     message: str = _field(max_len=1 << 16)
+    seq_ids: list[int] = _field([], max_len=MAX_LIST)  # the sequences at fault; [] = the step
 
 
 @dataclass

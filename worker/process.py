@@ -39,7 +39,8 @@ from .exact import apply_exact
 from .kv_pool import KVPool
 from .loaders import resolve
 from .metrics import WorkerMetrics
-from .runner import ModelRunner
+from .park_store import ParkStore
+from .runner import ModelRunner, SequenceFault
 
 log = logging.getLogger("siding.worker")
 
@@ -147,7 +148,8 @@ class Worker:
             apply_exact(stage, self.device)
         pool = KVPool(end - start, a.kv_pages, a.page_size, args.n_kv_heads, args.head_dim,
                       dtype, self.device, exact=a.exact)
-        self.runner = ModelRunner(stage, pool, self.device)
+        park = ParkStore(pool, a.park_pages or a.kv_pages)
+        self.runner = ModelRunner(stage, pool, park, self.device)
         self.dtype = dtype
         self.dim = args.dim
         if a.next_endpoint:
@@ -200,10 +202,13 @@ class Worker:
                 return
             if msg.dtype != str(self.dtype).removeprefix("torch.") or len(msg.shape) != 2:
                 raise ProtocolError(f"activations of dtype {msg.dtype} shape {msg.shape}")
-            raw = torch.frombuffer(bytearray(frames[0]), dtype=torch.uint8)
-            hidden = raw.view(self.dtype).reshape(msg.shape).to(self.device)
+            raw = bytearray(frames[0])
+            hidden = torch.empty(0, dtype=torch.uint8)
+            if raw:  # frombuffer refuses an empty buffer (a step with no rows)
+                hidden = torch.frombuffer(raw, dtype=torch.uint8)
+            hidden = hidden.view(self.dtype).reshape(msg.shape).to(self.device)
             self.arrived[msg.step] = (msg, hidden)
-        except (ProtocolError, RuntimeError) as e:
+        except Exception as e:  # whatever arrives, a malformed frame never stops the worker
             log.warning("dropped bad activations: %s", e)
 
     def _run(self, plan: Step) -> None:
@@ -226,6 +231,7 @@ class Worker:
                 self.ctl.send_multipart(encode(StepResult(
                     step=plan.step, seq_ids=seq_ids, tokens=tokens,
                     forward_seconds=elapsed,
+                    park_seconds=runner.park_seconds,
                 )))
             else:
                 out = out.contiguous().cpu()  # waits for the device: the stage's whole time
@@ -236,13 +242,15 @@ class Worker:
                                          copy=False)
         except Exception as e:  # a bad plan or a failed kernel fails this step, not the worker
             log.exception("step %d failed", plan.step)
+            culprits = [e.seq_id] if isinstance(e, SequenceFault) else []
             self.ctl.send_multipart(encode(StepError(step=plan.step, code="internal",
-                                                     message=f"worker {self.rank}: {e}")))
+                                                     message=f"worker {self.rank}: {e}",
+                                                     seq_ids=culprits)))
             self._forward_failure(plan.step)
 
     def _forward_failure(self, step: int) -> None:
         if self.push is not None:
-            self.push.send_multipart(encode(Activations(step=step, dtype="", shape=[])))
+            self.push.send_multipart(encode(Activations(step=step, dtype="", shape=[]), [b""]))
 
     def _recv(self, sock: zmq.Socket):
         try:

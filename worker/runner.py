@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from protocol.errors import ProtocolError
@@ -10,34 +12,61 @@ from protocol.messages import Step
 from .batch import BatchMeta, build_meta
 from .kv_pool import KVPool
 from .model import StageModel
+from .park_store import ParkStore
 from .sampler import SamplingParams, sample
 
 
+class SequenceFault(ProtocolError):
+    """A plan that is wrong about one sequence; the coordinator fails only that one."""
+
+    def __init__(self, seq_id: int, message: str):
+        super().__init__(f"sequence {seq_id}: {message}")
+        self.seq_id = seq_id
+
+
 class ModelRunner:
-    def __init__(self, stage: StageModel, pool: KVPool, device: torch.device | str):
+    def __init__(self, stage: StageModel, pool: KVPool, park: ParkStore,
+                 device: torch.device | str):
         self.stage = stage
         self.pool = pool
+        self.park = park
         self.device = torch.device(device)
         self.first = stage.embed is not None
         self.last = stage.output is not None
         self.tables: dict[int, list[int]] = {}
         self.sampling: dict[int, SamplingParams] = {}
+        self.park_seconds = 0.0  # of the last applied plan
 
     def apply(self, plan: Step) -> BatchMeta:
-        """Update page tables from the plan's deltas and build this step's metadata."""
+        """Apply the plan's deltas (free, park, restore, copies, pages) and build the step's
+        metadata. Raises SequenceFault naming the sequence a bad delta is about."""
         for seq_id in plan.free:
             self.tables.pop(seq_id, None)
             self.sampling.pop(seq_id, None)
+            self.park.drop(seq_id)
+        t0 = time.perf_counter()
+        for m in plan.park:
+            self.tables.pop(m.id, None)
+            self._fault(m.id, self.park.park, m.id, m.pages, m.slots)
+        for m in plan.restore:
+            self._fault(m.id, self.park.restore, m.id, m.slots, m.pages)
+            self.tables[m.id] = list(m.pages)
+        self.park_seconds = time.perf_counter() - t0 if plan.park or plan.restore else 0.0
+        for c in plan.copies:
+            if not (0 <= c.src < self.pool.n_pages and 0 <= c.dst < self.pool.n_pages):
+                raise ProtocolError(f"page copy {c.src} -> {c.dst} out of range")
+            self.pool.k[:, c.dst] = self.pool.k[:, c.src]
+            self.pool.v[:, c.dst] = self.pool.v[:, c.src]
         for s in plan.seqs:
             table = self.tables.setdefault(s.id, [])
             if any(not 0 <= p < self.pool.n_pages for p in s.pages_add):
-                raise ProtocolError(f"sequence {s.id}: page id out of range")
+                raise SequenceFault(s.id, "page id out of range")
             table.extend(s.pages_add)
             if s.sampling is not None:
                 sp = s.sampling
                 self.sampling[s.id] = SamplingParams(sp.temperature, sp.top_p, sp.top_k, sp.seed)
             if len(table) * self.pool.page_size < s.start + s.n:
-                raise ProtocolError(f"sequence {s.id}: positions past its pages")
+                raise SequenceFault(s.id, "positions past its pages")
         if self.first and len(plan.token_ids) != sum(s.n for s in plan.seqs):
             raise ProtocolError("token_ids do not match the plan's row count")
         return build_meta(
@@ -46,9 +75,18 @@ class ModelRunner:
             self.pool.page_size, self.device,
         )
 
+    @staticmethod
+    def _fault(seq_id: int, fn, *args) -> None:
+        try:
+            fn(*args)
+        except ProtocolError as e:
+            raise SequenceFault(seq_id, e.message.removeprefix(f"sequence {seq_id}: ")) from None
+
     @torch.inference_mode()
     def forward(self, plan: Step, meta: BatchMeta, hidden: torch.Tensor | None) -> torch.Tensor:
         """hidden: [T, dim] from the previous stage (None on the first). Returns [T, dim]."""
+        if not plan.seqs:  # a step that only parks or restores
+            return torch.empty(0, self.stage.args.dim, device=self.device)
         if self.first:
             inputs = torch.tensor(plan.token_ids, dtype=torch.int64, device=self.device)
         else:

@@ -13,54 +13,60 @@ def make_seq(i: int, prompt_len: int, priority: int = 0) -> Sequence:
     return seq
 
 
-def finish_step(batch):
-    for seq, n in batch:
+def make_scheduler(pages: int, page_size: int, max_seqs: int, max_tokens: int,
+                   park_slots: int = 64) -> Scheduler:
+    return Scheduler(PageAllocator(pages), PageAllocator(park_slots), page_size, max_seqs,
+                     max_tokens)
+
+
+def finish_step(sched):
+    for seq, n in sched.batch:
         seq.n_computed += n
         if seq.n_computed == len(seq.token_ids):
             seq.token_ids.append(7)
 
 
 def test_prompt_is_chunked_by_the_token_budget():
-    s = Scheduler(PageAllocator(64), page_size=4, max_batch_seqs=8, max_batch_tokens=10)
+    s = make_scheduler(64, 4, 8, 10)
     seq = make_seq(0, 25)
     s.add(seq)
     sizes = []
     for _ in range(3):
-        batch = s.schedule()
-        sizes.append([n for _, n in batch])
-        finish_step(batch)
+        sched = s.schedule()
+        sizes.append([n for _, n in sched.batch])
+        finish_step(sched)
     assert sizes == [[10], [10], [5]]
     assert len(seq.pages) == 7  # 25 positions in pages of 4
 
 
 def test_pages_are_counted_not_tokens():
-    s = Scheduler(PageAllocator(2), page_size=4, max_batch_seqs=8, max_batch_tokens=64)
+    s = make_scheduler(2, 4, 8, 64)
     seq = make_seq(0, 4)
     s.add(seq)
     finish_step(s.schedule())
     assert len(seq.pages) == 1  # the tail page is full
-    batch = s.schedule()  # position 4 crosses into a second page
-    assert batch == [(seq, 1)] and len(seq.pages) == 2
-    finish_step(batch)
+    sched = s.schedule()  # position 4 crosses into a second page
+    assert sched.batch == [(seq, 1)] and len(seq.pages) == 2
+    finish_step(sched)
     for _ in range(3):
         finish_step(s.schedule())
-    assert s.schedule() == []  # position 8 needs a third page; the pool has two
+    assert not s.schedule()  # position 8 needs a third page; the pool has two
 
 
 def test_decodes_go_before_new_prompts_and_respect_max_seqs():
-    s = Scheduler(PageAllocator(64), page_size=4, max_batch_seqs=2, max_batch_tokens=64)
+    s = make_scheduler(64, 4, 2, 64)
     a, b, c = make_seq(0, 3), make_seq(1, 3), make_seq(2, 3)
     s.add(a)
     finish_step(s.schedule())
     s.add(b)
     s.add(c)
-    batch = s.schedule()
+    batch = s.schedule().batch
     assert [x.id for x, _ in batch] == [0, 1]
     assert batch[0][1] == 1  # a decodes one row
 
 
 def test_victim_is_lowest_priority_then_newest_and_recompute_resets():
-    s = Scheduler(PageAllocator(64), page_size=4, max_batch_seqs=8, max_batch_tokens=64)
+    s = make_scheduler(64, 4, 8, 64)
     seqs = [make_seq(0, 3, priority=1), make_seq(1, 3), make_seq(2, 3, priority=1)]
     for q in seqs:
         s.add(q)
@@ -70,3 +76,49 @@ def test_victim_is_lowest_priority_then_newest_and_recompute_resets():
     s.recompute(victim)
     assert victim.n_computed == 0 and victim.pages == [] and s.waiting[0] is victim
     assert s.allocator.n_used == 2
+
+
+def test_a_sequence_that_cannot_grow_parks_the_newest_lower_ranked_one():
+    s = make_scheduler(4, page_size=4, max_seqs=8, max_tokens=64)
+    old, new = make_seq(0, 4), make_seq(1, 4)
+    s.add(old)
+    s.add(new)
+    finish_step(s.schedule())  # both prompts fill one page each
+    for _ in range(4):  # both grow into a second page: 4 pages used
+        finish_step(s.schedule())
+    assert s.allocator.n_free == 0
+    sched = s.schedule()  # old needs a third page: new is parked, not failed
+    assert [m.seq for m in sched.parks] == [new]
+    assert sched.parks[0].pages and len(sched.parks[0].slots) == 2
+    assert [q for q, _ in sched.batch] == [old]
+    assert new in s.parked and new.pages == [] and new.preemptions == 1
+    assert not sched.restores  # never restore in the step that had to make room
+
+
+def test_parked_sequences_are_restored_oldest_first_into_free_pages():
+    s = make_scheduler(6, page_size=4, max_seqs=8, max_tokens=64)
+    a, b = make_seq(0, 4), make_seq(1, 4)
+    for q in (a, b):
+        s.add(q)
+    finish_step(s.schedule())
+    out = type(s.schedule())()
+    s.preempt(b, out)
+    s.preempt(a, out)
+    left_pages = {m.seq.id: m.pages for m in out.parks}
+    sched = s.schedule()
+    assert [m.seq for m in sched.restores] == [b, a]  # b was parked first
+    for m in sched.restores:
+        assert len(m.pages) == len(left_pages[m.seq.id])
+        assert m.pages != left_pages[m.seq.id]  # same contents, other pages
+    assert s.park_slots.n_used == 0
+
+
+def test_a_full_park_store_falls_back_to_recompute():
+    s = make_scheduler(3, page_size=4, max_seqs=8, max_tokens=64, park_slots=1)
+    old, new = make_seq(0, 4), make_seq(1, 8)
+    s.add(old)
+    s.add(new)
+    finish_step(s.schedule())
+    sched = s.schedule()
+    assert sched.recomputed == [new] and not sched.parks
+    assert new.n_computed == 0 and s.waiting[0] is new
