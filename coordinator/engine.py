@@ -24,6 +24,7 @@ from protocol.messages import (
     Chunk,
     Error,
     Generate,
+    PageCopy,
     PageMove,
     Ready,
     Register,
@@ -260,7 +261,13 @@ class Engine:
             )
             self.next_seq += 1
             req.seqs.append(seq)
-            self.scheduler.add(seq)
+        parent = req.seqs[0]
+        self.scheduler.add(parent)
+        if msg.n > 1 and len(prompt) > 1:  # the prompt is computed once and shared
+            parent.fork_at, parent.children = len(prompt) - 1, req.seqs[1:]
+        else:
+            for seq in req.seqs[1:]:
+                self.scheduler.add(seq)
         self.requests[(identity, msg.request_id)] = req
         self.metrics.prompt_tokens.inc(len(prompt) * msg.n)
 
@@ -417,6 +424,7 @@ class Engine:
             park=[PageMove(id=m.seq.id, pages=m.pages, slots=m.slots) for m in sched.parks],
             restore=[PageMove(id=m.seq.id, pages=m.pages, slots=m.slots)
                      for m in sched.restores],
+            copies=[PageCopy(src=a, dst=b) for a, b in sched.copies],
         ))
         self.to_free = []
         if sched.batch and all(n == 1 for _, n in sched.batch):
@@ -490,6 +498,8 @@ class Engine:
             if seq.finish_reason is not None or seq.request.finished:
                 continue
             seq.n_computed += n
+            if seq.fork_at == seq.n_computed:
+                self.scheduler.fork(seq)
             if seq.id in sampled:
                 self._append(seq, sampled[seq.id])
                 touched[id(seq.request)] = seq.request

@@ -32,9 +32,10 @@ class Schedule:
     parks: list[Move] = field(default_factory=list)
     restores: list[Move] = field(default_factory=list)
     recomputed: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) pages
 
     def __bool__(self) -> bool:
-        return bool(self.batch or self.parks or self.restores or self.recomputed)
+        return bool(self.batch or self.parks or self.restores or self.recomputed or self.copies)
 
 
 class Scheduler:
@@ -48,6 +49,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.parked: deque[Sequence] = deque()  # oldest parked first
+        self.copies: list[tuple[int, int]] = []  # copy-on-write tails for the next step
 
     def pages_for(self, n_positions: int) -> int:
         return -(-n_positions // self.page_size)
@@ -70,8 +72,14 @@ class Scheduler:
         self.park_slots.free(seq.park_slots)
         seq.pages, seq.park_slots = [], []
 
+    def rows(self, seq: Sequence, budget: int) -> int:
+        """Rows `seq` runs next: its remaining tokens within the budget, up to a fork point."""
+        n = min(seq.n_remaining, budget)
+        return n if seq.fork_at is None else min(n, seq.fork_at - seq.n_computed)
+
     def schedule(self) -> Schedule:
-        out = Schedule()
+        out = Schedule(copies=self.copies)
+        self.copies = []
         budget = self.max_batch_tokens
         ready = [s for s in self.running if not s.in_flight]
         decoding = [s for s in ready if s.n_remaining == 1]
@@ -80,7 +88,7 @@ class Scheduler:
                 break
             if seq not in self.running:  # parked by an earlier sequence of this step
                 continue
-            n = min(seq.n_remaining, budget)
+            n = self.rows(seq, budget)
             while not self.allocator.can_allocate(self.pages_needed(seq, n)):
                 victim = self._victim(worse_than=seq, keep=[s for s, _ in out.batch])
                 if victim is None:
@@ -93,7 +101,7 @@ class Scheduler:
             return out  # never restore or admit in the step that had to make room
         while self.parked and len(out.batch) < self.max_batch_seqs and budget > 0:
             seq = self.parked[0]
-            n = min(seq.n_remaining, budget)
+            n = self.rows(seq, budget)
             if not self.allocator.can_allocate(len(seq.park_slots) + 1):
                 return out  # restores go first: nothing new is admitted past a parked one
             self.parked.popleft()
@@ -107,7 +115,7 @@ class Scheduler:
                 budget -= n
         while self.waiting and len(out.batch) < self.max_batch_seqs and budget > 0:
             seq = self.waiting[0]
-            n = min(seq.n_remaining, budget)
+            n = self.rows(seq, budget)
             if not self._reserve(seq, n):
                 break
             self.waiting.popleft()
@@ -115,6 +123,25 @@ class Scheduler:
             out.batch.append((seq, n))
             budget -= n
         return out
+
+    def fork(self, parent: Sequence) -> None:
+        """n > 1: the parent has computed its prompt but the last token; each child shares the
+        full pages read-only and gets its own copy of a partly filled tail page. A child that
+        finds no page for its tail recomputes the prompt itself."""
+        shared = parent.fork_at // self.page_size
+        for child in parent.children:
+            child.n_computed = parent.fork_at
+            child.pages = parent.pages[:shared]
+            self.allocator.share(child.pages)
+            if shared < len(parent.pages):
+                if not self.allocator.can_allocate(1):
+                    self._drop_to_recompute(child)
+                    continue
+                tail = self.allocator.allocate(1)
+                self.copies.append((parent.pages[shared], tail[0]))
+                child.pages = child.pages + tail
+            self.running.append(child)
+        parent.fork_at, parent.children = None, []
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         need = self.pages_needed(seq, n)

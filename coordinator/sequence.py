@@ -40,6 +40,8 @@ class Sequence:
     n_computed: int = 0  # positions whose K/V the workers hold
     pages: list[int] = field(default_factory=list)
     park_slots: list[int] = field(default_factory=list)  # where its pages wait while parked
+    fork_at: int | None = None  # n > 1: stop the prompt here and hand its pages to `children`
+    children: list[Sequence] = field(default_factory=list)
     pages_sent: int = 0  # leading entries of `pages` the workers already hold
     in_flight: bool = False
     announced: bool = False  # the workers know its sampling parameters

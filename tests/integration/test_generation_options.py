@@ -102,3 +102,11 @@ def test_cli_reports_an_unreachable_cluster_in_one_line():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert out.stderr.startswith("siding: error:") and "Traceback" not in out.stderr
+
+
+def test_n_greedy_completions_share_the_prompt_and_equal_one(cluster, reference):
+    long_prompt = "The capital of France is"
+    with Client(cluster.endpoint, timeout=120) as c:
+        r = c.generate(long_prompt, max_tokens=16, n=3, ignore_eos=True)
+        assert c.status()["pool"]["pages_used"] == 0
+    assert [ch.token_ids for ch in r.choices] == [reference.token_ids] * 3

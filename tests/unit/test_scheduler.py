@@ -122,3 +122,25 @@ def test_a_full_park_store_falls_back_to_recompute():
     sched = s.schedule()
     assert sched.recomputed == [new] and not sched.parks
     assert new.n_computed == 0 and s.waiting[0] is new
+
+
+def test_fork_shares_full_prompt_pages_and_copies_the_tail():
+    s = make_scheduler(16, page_size=4, max_seqs=8, max_tokens=64)
+    parent = make_seq(0, 10)
+    kids = [make_seq(1, 10), make_seq(2, 10)]
+    parent.fork_at, parent.children = 9, kids
+    s.add(parent)
+    sched = s.schedule()
+    assert sched.batch == [(parent, 9)]  # the prompt stops before its last token
+    parent.n_computed += 9
+    s.fork(parent)
+    assert all(k.pages[:2] == parent.pages[:2] for k in kids)  # positions 0-7: shared
+    assert [src for src, _ in s.copies] == [parent.pages[2]] * 2  # the tail is copied
+    assert len({k.pages[2] for k in kids} | {parent.pages[2]}) == 3
+    assert s.allocator.refs[parent.pages[0]] == 3
+    nxt = s.schedule()
+    assert len(nxt.copies) == 2 and {q.id for q, n in nxt.batch} == {0, 1, 2}
+    assert all(n == 1 for _, n in nxt.batch)
+    for q in (parent, *kids):
+        s.remove(q)
+    assert s.allocator.n_used == 0
