@@ -18,23 +18,21 @@ from .batch import BatchMeta
 from .kernels import exact_cpu
 from .model import RMSNorm, StageModel
 
-CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def apply_exact(stage: StageModel, device: torch.device | str) -> None:
     """Raises ValueError (with what to change) where exact mode cannot be honoured."""
     device = torch.device(device)
     dtype = next(stage.parameters()).dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"exact mode supports float32, bfloat16 and float16, not {dtype}")
     if device.type == "cpu":
-        if dtype != torch.float32:
-            raise ValueError(f"exact mode on the CPU needs --dtype float32 (got {dtype})")
         weights = {m.weight.shape: m.weight for m in stage.modules() if isinstance(m, nn.Linear)}
         for w in weights.values():
             exact_cpu.check_row_invariance(w)
         linear, norm = exact_cpu.linear, None
     elif device.type == "cuda":
-        if dtype not in CUDA_DTYPES:
-            raise ValueError(f"exact mode on CUDA supports float32, bfloat16, float16 ({dtype})")
         exact_triton = _triton()
         linear, norm = exact_triton.linear, exact_triton.rms_norm
     else:

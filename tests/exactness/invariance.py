@@ -12,6 +12,9 @@ from collections.abc import Callable
 import torch
 
 from worker.batch import build_meta
+from worker.exact import apply_exact
+from worker.kv_pool import KVPool
+from worker.loaders import resolve
 
 ROW_COUNTS = [*range(1, 71), 97, 128, 255, 333, 512]
 
@@ -88,3 +91,28 @@ def split_chunks(split: int, length: int) -> list[range]:
     chunks = [range(0, min(40, length)), range(split - 20, split + 20), range(split - 1, split + 2),
               range(2 * split - 3, 2 * split + 33), range(length - 7, length)]
     return [c for c in chunks if 0 <= c.start and c.stop <= length]
+
+
+def prompt_bits(exact: bool, chunkings: list[list[int]], device: str,
+                dtype: torch.dtype) -> list[bool]:
+    """For each chunking of a 40-token prompt: are its hidden states the one-chunk ones?"""
+    source = resolve("synthetic:tiny")
+    a = source.args
+    stage = source.load_stage(0, a.n_layers, dtype, device)
+    if exact:
+        apply_exact(stage, device)
+    tokens = torch.randint(0, a.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(device)
+
+    def run(chunks: list[int]) -> torch.Tensor:
+        pool = KVPool(a.n_layers, 8, 16, a.n_kv_heads, a.head_dim, dtype, device, exact)
+        out, start, table = [], 0, [5, 2, 7]
+        with torch.inference_mode():
+            for n in chunks:
+                meta = build_meta([start], [n], [table], [True], pool.page_size, device)
+                out.append(stage(tokens[start : start + n], meta.positions, pool.layers, meta))
+                start += n
+        return torch.cat(out)
+
+    whole = run([40])
+    return [torch.equal(whole, run(c)) for c in chunkings]

@@ -36,10 +36,14 @@ def _round_up(n: int, block: int) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., K] @ weight[N, K].T (+ bias) -> [..., N], every row as in any other launch."""
+    """x: [..., K] @ weight[N, K].T (+ bias) -> [..., N], every row as in any other launch.
+
+    Half-precision weights are multiplied in float32 (cast per call): the property above was
+    measured for MKL's sgemm, not for oneDNN's half-precision kernels."""
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
-    out = F.linear(_pad(rows, 0, _round_up(m, ROW_BLOCK)), weight)[:m]
+    out = F.linear(_pad(rows, 0, _round_up(m, ROW_BLOCK)).float(), weight.float())[:m]
+    out = out.to(x.dtype)
     if bias is not None:
         out = out + bias  # added apart: addmm's fused bias is one more path to keep invariant
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -106,6 +110,8 @@ def _attend(q, k, v, qpos, scale: float) -> torch.Tensor:
     """q: [B, n, H, D]; k, v: [B, L, KVH, D], L a multiple of SPLIT; qpos: [B, n] -> [B, n, H, D].
 
     Row i of sequence b attends keys [0, qpos[b, i]]."""
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()  # as linear: float32 products only
     b, n, h, d = q.shape
     kvh, length = k.shape[2], k.shape[1]
     rep, rows, splits = h // kvh, _round_up(n, ROW_BLOCK), length // SPLIT
@@ -126,4 +132,4 @@ def _attend(q, k, v, qpos, scale: float) -> torch.Tensor:
     o = o.cumsum(2)[:, :, -1]
     denom = l_split.cumsum(-1)[..., -1:]
     out = (o / denom).view(b, kvh, rep, rows, d).permute(0, 3, 1, 2, 4).reshape(b, rows, h, d)
-    return out[:, :n]
+    return out[:, :n].to(dtype)
