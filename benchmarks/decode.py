@@ -1,0 +1,389 @@
+"""`siding bench decode`: decode tokens/s against batch size; siding against transformers
+`generate` on the same weights, cores and device, and against the memory-bandwidth roofline.
+
+The arms are interleaved (for each repeat, for each batch size: siding, then transformers), so
+load from other processes lands on both alike; each point reports the median and min-max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from coordinator.local_cluster import LocalCluster
+from protocol import AsyncClient
+from worker.loaders import DEFAULT_MODEL, resolve
+from worker.model import ModelArgs
+from worker.process import resolve_dtype
+
+from .report import (
+    Series,
+    Spread,
+    format_table,
+    machine_info,
+    progress,
+    ratio,
+    result_paths,
+    timestamp,
+    write_json,
+    write_plot,
+)
+
+SCENARIO = "decode"
+PROMPT_SEED = 0
+LOWEST_PROMPT_ID = 100  # ids below are special or control tokens in common vocabularies
+
+
+@dataclass
+class Sample:
+    """One timed batch of one arm; times in seconds from the first request sent."""
+
+    arm: str  # "siding" or "hf"
+    batch: int
+    repeat: int
+    ttft: float  # mean over the batch's sequences
+    decode_tokens: int  # tokens after every sequence of the batch has its first
+    decode_seconds: float  # latest first token -> last token
+    total_tokens: int
+    total_seconds: float  # first request sent -> last token
+    first_token_skew: float  # latest first token - earliest; 0 when prefilled in one step
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_seconds
+
+    @property
+    def e2e_tps(self) -> float:
+        return self.total_tokens / self.total_seconds
+
+    def record(self) -> dict[str, Any]:
+        return {**asdict(self), "decode_tps": self.decode_tps, "e2e_tps": self.e2e_tps}
+
+
+def timed_batch(
+    arm: str, batch: int, repeat: int, start: float, arrivals: list[list[float]]
+) -> Sample:
+    """arrivals[b]: when each token of sequence b arrived (perf_counter seconds).
+
+    Decode counts from the step that gives the batch's last first token: from there every
+    sequence decodes, one token a step. When the whole batch prefilled in one step, that is every
+    token after each sequence's first, over the time from the first tokens to the last token.
+    """
+    firsts = [times[0] for times in arrivals]
+    decoding = max(firsts)
+    end = max(times[-1] for times in arrivals)
+    # Each sequence's token of that step is the one that arrived nearest to it: steps are far
+    # further apart than the chunks of one step.
+    aligned = [min(range(len(t)), key=lambda i: abs(t[i] - decoding)) for t in arrivals]
+    return Sample(
+        arm=arm, batch=batch, repeat=repeat,
+        ttft=statistics.fmean(firsts) - start,
+        decode_tokens=sum(len(t) - 1 - i for t, i in zip(arrivals, aligned)),
+        decode_seconds=end - decoding,
+        total_tokens=sum(len(times) for times in arrivals),
+        total_seconds=end - start,
+        first_token_skew=max(firsts) - min(firsts),
+    )
+
+
+class SidingArm:
+    """`batch` concurrent streamed requests to a running cluster, timed as tokens reach us."""
+
+    def __init__(self, endpoint: str, prompts: list[list[int]]):
+        self.endpoint = endpoint
+        self.prompts = prompts
+
+    def run(self, batch: int, tokens: int, repeat: int = -1) -> Sample:
+        return asyncio.run(self._run(batch, tokens, repeat))
+
+    async def _run(self, batch: int, tokens: int, repeat: int) -> Sample:
+        client = AsyncClient(self.endpoint, timeout=600.0)
+        try:
+            await client.status()  # connected before the clock starts
+            start = time.perf_counter()
+            arrivals = await asyncio.gather(
+                *(self._stream(client, prompt, tokens) for prompt in self.prompts[:batch])
+            )
+        finally:
+            await client.close()
+        return timed_batch("siding", batch, repeat, start, arrivals)
+
+    async def _stream(self, client: AsyncClient, prompt: list[int], tokens: int) -> list[float]:
+        times: list[float] = []
+        stream = client.stream(prompt_token_ids=prompt, max_tokens=tokens, ignore_eos=True)
+        async for chunk in stream:
+            now = time.perf_counter()
+            times += [now] * len(chunk.token_ids)
+        if len(times) != tokens:
+            raise RuntimeError(f"siding streamed {len(times)} tokens where {tokens} were asked")
+        return times
+
+
+class HFArm:
+    """transformers `generate` on the whole batch at once, greedy, exactly `tokens` new tokens.
+
+    Decode time is a full generate less a 1-token generate (the prefill), timed just before.
+    """
+
+    def __init__(self, model: Any, prompts: torch.Tensor, device: str):
+        self.model = model
+        self.prompts = prompts.to(device)  # [max batch, context] int64
+        self.device = device
+
+    def run(self, batch: int, tokens: int, repeat: int = -1) -> Sample:
+        ids = self.prompts[:batch]
+        prefill = self._generate(ids, 1)
+        total = self._generate(ids, tokens)
+        return Sample(
+            arm="hf", batch=batch, repeat=repeat, ttft=prefill,
+            decode_tokens=batch * (tokens - 1), decode_seconds=total - prefill,
+            total_tokens=batch * tokens, total_seconds=total, first_token_skew=0.0,
+        )
+
+    def _generate(self, ids: torch.Tensor, tokens: int) -> float:
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        out = self.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+            min_new_tokens=tokens, do_sample=False, pad_token_id=0,
+        )
+        synchronize(self.device)
+        elapsed = time.perf_counter() - t0
+        assert out.shape == (ids.shape[0], ids.shape[1] + tokens), out.shape
+        return elapsed
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def copy_bandwidth(device: str, repeats: int = 5) -> list[float]:
+    """Bytes/s of one large tensor copy on `device`, read plus write bytes counted."""
+    mib = 1024 if device.startswith("cuda") else 256  # far past the last-level cache
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # faults the pages in
+    samples = []
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        samples.append(2 * src.nbytes / (time.perf_counter() - t0))
+    return samples
+
+
+def weight_bytes(a: ModelArgs, dtype_size: int) -> int:
+    """Weights one decode step reads: every layer, the final norm and the head. The embedding
+    table is only gathered (a row per sequence), so an untied one does not count."""
+    per_layer = 2 * a.dim + a.dim * (a.q_dim + 2 * a.kv_dim) + a.q_dim * a.dim
+    per_layer += 3 * a.dim * a.ffn_dim + (a.q_dim + 2 * a.kv_dim if a.qkv_bias else 0)
+    return (a.n_layers * per_layer + a.dim + a.vocab_size * a.dim) * dtype_size
+
+
+def kv_bytes(a: ModelArgs, batch: int, context: float, dtype_size: int) -> float:
+    """K and V of `context` positions of `batch` sequences, every layer."""
+    return batch * context * a.n_layers * 2 * a.kv_dim * dtype_size
+
+
+def roofline_tps(
+    a: ModelArgs, batch: int, context: float, dtype_size: int, bandwidth: float
+) -> float:
+    """Tokens/s if a step cost only its bytes over `bandwidth` (bytes/s)."""
+    step_bytes = weight_bytes(a, dtype_size) + kv_bytes(a, batch, context, dtype_size)
+    return batch * bandwidth / step_bytes
+
+
+def batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated integers: {text}") from None
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers: {text}")
+    return sizes
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="siding bench decode",
+        description="decode tokens/s against batch size: siding, transformers, roofline",
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help="any `siding launch --model` spec")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N (or one per worker, commas)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--batch-sizes", type=batch_sizes, default="1,8", help="e.g. 1,8,32")
+    p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
+    p.add_argument("--tokens", type=int, default=64, help="generated tokens per sequence")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers arm")
+    p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
+    args = p.parse_args(argv)
+    for name, low in (("context", 1), ("tokens", 2), ("repeats", 1), ("workers", 1)):
+        if getattr(args, name) < low:
+            p.error(f"--{name} must be at least {low}")
+    return args
+
+
+def cluster_args(args: argparse.Namespace, dtype: torch.dtype, threads: int) -> list[str]:
+    biggest = max(args.batch_sizes)
+    page_size = 16
+    pages = biggest * -(-(args.context + args.tokens) // page_size)
+    return [
+        "--model", args.model, "--devices", args.device, "--workers", str(args.workers),
+        "--dtype", dtype_name(dtype), "--page-size", str(page_size),
+        "--kv-pages", str(max(1024, pages)), "--max-batch-seqs", str(max(64, biggest)),
+        # The whole batch prefills in one step, as transformers does, so its sequences decode
+        # in lockstep from the first token on.
+        "--max-batch-tokens", str(max(512, biggest * args.context)),
+        "--worker-threads", str(threads),
+    ]
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    stamp = timestamp()
+    device = args.device.split(",")[0]
+    threads = max(1, (os.cpu_count() or 1) // args.workers)
+    torch.set_num_threads(threads)  # the transformers arm gets the cores one worker gets
+    model_args = resolve(args.model).args
+    if args.context + args.tokens > model_args.max_context:
+        raise ValueError(f"--context + --tokens exceeds the model's {model_args.max_context}")
+    dtype = resolve_dtype(args.dtype, device)
+    dtype_size = torch.empty((), dtype=dtype).element_size()
+    generator = torch.Generator().manual_seed(PROMPT_SEED)
+    prompts = torch.randint(
+        LOWEST_PROMPT_ID, model_args.vocab_size, (max(args.batch_sizes), args.context),
+        generator=generator,
+    )
+    machine = machine_info(device)
+
+    progress(SCENARIO, f"measuring copy bandwidth on {device}")
+    bandwidth = copy_bandwidth(device)
+    progress(SCENARIO, f"bandwidth {statistics.median(bandwidth) / 1e9:.1f} GB/s")
+    hf = None
+    if args.hf:
+        progress(SCENARIO, f"loading {args.model} in transformers ({dtype_name(dtype)}, {device})")
+        hf = HFArm(load_reference(args.model, dtype, device), prompts, device)
+    launch = cluster_args(args, dtype, threads)
+    progress(SCENARIO, f"starting siding: {' '.join(launch)}")
+    samples: list[Sample] = []
+    with LocalCluster(*launch) as cluster:
+        siding = SidingArm(cluster.endpoint, prompts.tolist())
+        arms = [siding] if hf is None else [siding, hf]
+        progress(SCENARIO, "warming up")
+        for b in args.batch_sizes:
+            for arm in arms:
+                arm.run(b, 2)
+        for r in range(args.repeats):
+            for b in args.batch_sizes:
+                for arm in arms:
+                    s = arm.run(b, args.tokens, r)
+                    samples.append(s)
+                    progress(SCENARIO, f"repeat {r + 1}/{args.repeats}  batch {b:>3}  "
+                             f"{s.arm:<6}  decode {s.decode_tps:8.1f} tok/s  "
+                             f"ttft {s.ttft * 1e3:7.1f} ms")
+            # Bandwidth is sampled between rounds too, so it sees the load the arms saw.
+            bandwidth += copy_bandwidth(device, repeats=3)
+    machine["load_average_end"] = list(os.getloadavg())
+
+    bw = Spread.of(bandwidth)
+    kv_context = args.context + args.tokens / 2  # mean positions attended over the decode
+    points = [
+        summarise(b, samples, roofline_tps(model_args, b, kv_context, dtype_size, bw.median))
+        for b in args.batch_sizes
+    ]
+    record = {
+        "scenario": SCENARIO,
+        "command": " ".join(["siding", "bench", SCENARIO, *argv]),
+        "started": stamp,
+        "config": {**vars(args), "threads": threads, "dtype": str(dtype), "cluster": launch,
+                   "prompt_seed": PROMPT_SEED, "prompt_ids": [LOWEST_PROMPT_ID,
+                                                              model_args.vocab_size]},
+        "machine": machine,
+        "model": {"spec": args.model, "args": asdict(model_args),
+                  "weight_bytes_per_step": weight_bytes(model_args, dtype_size),
+                  "kv_bytes_per_position": kv_bytes(model_args, 1, 1, dtype_size),
+                  "kv_context": kv_context},
+        "bandwidth": {"bytes_per_s": bw, "samples": bandwidth,
+                      "method": "tensor copy on the device, read + write bytes"},
+        "points": points,
+        "samples": [s.record() for s in samples],
+    }
+    json_path, png_path = result_paths(args.out, SCENARIO, stamp)
+    write_json(json_path, record)
+    series = [Series("siding", args.batch_sizes, [p["siding"]["decode_tps"] for p in points])]
+    if hf is not None:
+        series.append(Series("transformers", args.batch_sizes,
+                             [p["hf"]["decode_tps"] for p in points]))
+    series.append(Series("roofline", args.batch_sizes,
+                         [Spread.of([p["roofline_tps"]]) for p in points]))
+    write_plot(
+        png_path, series,
+        title=f"decode: {args.model}, {dtype_name(dtype)}, {machine['device_name']}\n"
+              f"context {args.context}, {args.tokens} new tokens, {threads} threads",
+        xlabel="batch size (sequences)", ylabel="decode tokens/s",
+    )
+    print(table(points))
+    print(f"bandwidth {bw.median / 1e9:.1f} GB/s; results: {json_path}, {png_path}")
+
+
+def load_reference(spec: str, dtype: torch.dtype, device: str) -> Any:
+    # Imported here: only the transformers arm needs transformers (`--no-hf` runs without it).
+    import transformers
+
+    from .hf_reference import reference_model
+
+    transformers.logging.set_verbosity_error()
+    # Its GGUF reader draws a bar per tensor on stderr that no setting turns off.
+    with contextlib.redirect_stderr(io.StringIO()):
+        return reference_model(spec, dtype, device)
+
+
+def summarise(batch: int, samples: list[Sample], roofline: float) -> dict[str, Any]:
+    def arm(name: str) -> dict[str, Spread] | None:
+        mine = [s for s in samples if s.arm == name and s.batch == batch]
+        if not mine:
+            return None
+        return {"decode_tps": Spread.of([s.decode_tps for s in mine]),
+                "ttft_s": Spread.of([s.ttft for s in mine]),
+                "e2e_tps": Spread.of([s.e2e_tps for s in mine])}
+
+    siding, hf = arm("siding"), arm("hf")
+    return {
+        "batch": batch, "siding": siding, "hf": hf,
+        "siding_over_hf": None if hf is None else ratio(siding["decode_tps"], hf["decode_tps"]),
+        "roofline_tps": roofline,
+        "siding_roofline_fraction": siding["decode_tps"].median / roofline,
+    }
+
+
+def table(points: list[dict[str, Any]]) -> str:
+    headers = ["batch", "siding tok/s", "hf tok/s", "siding/hf", "roofline", "of roofline",
+               "ttft siding ms", "ttft hf ms"]
+    rows = []
+    for p in points:
+        s, h = p["siding"], p["hf"]
+        rows.append([
+            p["batch"], s["decode_tps"].text(),
+            "-" if h is None else h["decode_tps"].text(),
+            "-" if h is None else f"{p['siding_over_hf']:.2f}x",
+            f"{p['roofline_tps']:.1f}", f"{p['siding_roofline_fraction']:.0%}",
+            s["ttft_s"].text(1e3, 0), "-" if h is None else h["ttft_s"].text(1e3, 0),
+        ])
+    return format_table(headers, rows)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
