@@ -13,6 +13,11 @@ from .batch import BatchMeta
 from .exact import exact_paged_attention
 
 
+def attention_for(exact: bool):
+    """The paged attention a pool attends with; every pool, device or host, picks it here."""
+    return exact_paged_attention if exact else paged_attention
+
+
 class KVPool:
     def __init__(
         self, n_layers: int, n_pages: int, page_size: int, n_kv_heads: int, head_dim: int,
@@ -24,12 +29,22 @@ class KVPool:
         self.page_size = page_size
         self.n_pages = n_pages
         self.scale = head_dim**-0.5
-        self.attention = exact_paged_attention if exact else paged_attention
+        self.attention = attention_for(exact)
         self.layers = [LayerView(self, i) for i in range(n_layers)]
 
     @property
     def bytes_per_page(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    # The runner's step hooks (worker/host_kv.py's pool needs them); device pages need nothing.
+    def settle(self) -> None:
+        """Before the host touches the pool's pages (park, restore, copies)."""
+
+    def begin_step(self, meta: BatchMeta, tables: list[list[int]]) -> None:
+        """Before the step's forward pass; tables: each sequence's page ids, logical order."""
+
+    def end_step(self) -> None:
+        """After the step's forward pass is enqueued."""
 
 
 class LayerView:

@@ -36,6 +36,7 @@ from protocol.messages import (
 from protocol.wire import MAX_MESSAGE_BYTES, decode, encode
 
 from .exact import apply_exact
+from .host_kv import HostKVPool
 from .kv_pool import KVPool
 from .loaders import resolve
 from .metrics import WorkerMetrics
@@ -146,8 +147,14 @@ class Worker:
         stage = source.load_stage(start, end, dtype, self.device)
         if a.exact:
             apply_exact(stage, self.device)
-        pool = KVPool(end - start, a.kv_pages, a.page_size, args.n_kv_heads, args.head_dim,
-                      dtype, self.device, exact=a.exact)
+        shape = (end - start, a.kv_pages, a.page_size, args.n_kv_heads, args.head_dim)
+        if a.kv_mode == "host":
+            pool = HostKVPool(*shape, dtype, self.device, exact=a.exact, depth=a.pipeline_depth,
+                              ring_budget_mib=a.ring_budget_mib, metrics=self.metrics)
+        elif a.kv_mode == "device":
+            pool = KVPool(*shape, dtype, self.device, exact=a.exact)
+        else:
+            raise ValueError(f"unknown KV mode {a.kv_mode!r}: use device or host")
         park = ParkStore(pool, a.park_pages or a.kv_pages)
         self.runner = ModelRunner(stage, pool, park, self.device)
         self.dtype = dtype

@@ -10,6 +10,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import Step
 
 from .batch import BatchMeta, build_meta
+from .host_kv import HostKVPool
 from .kv_pool import KVPool
 from .model import StageModel
 from .park_store import ParkStore
@@ -25,7 +26,7 @@ class SequenceFault(ProtocolError):
 
 
 class ModelRunner:
-    def __init__(self, stage: StageModel, pool: KVPool, park: ParkStore,
+    def __init__(self, stage: StageModel, pool: KVPool | HostKVPool, park: ParkStore,
                  device: torch.device | str):
         self.stage = stage
         self.pool = pool
@@ -40,6 +41,7 @@ class ModelRunner:
     def apply(self, plan: Step) -> BatchMeta:
         """Apply the plan's deltas (free, park, restore, copies, pages) and build the step's
         metadata. Raises SequenceFault naming the sequence a bad delta is about."""
+        self.pool.settle()  # a host pool's last write-back lands before its pages are touched
         for seq_id in plan.free:
             self.tables.pop(seq_id, None)
             self.sampling.pop(seq_id, None)
@@ -91,7 +93,10 @@ class ModelRunner:
             inputs = torch.tensor(plan.token_ids, dtype=torch.int64, device=self.device)
         else:
             inputs = hidden
-        return self.stage(inputs, meta.positions, self.pool.layers, meta)
+        self.pool.begin_step(meta, [self.tables[s.id] for s in plan.seqs])
+        out = self.stage(inputs, meta.positions, self.pool.layers, meta)
+        self.pool.end_step()
+        return out
 
     @torch.inference_mode()
     def sample(self, plan: Step, meta: BatchMeta, hidden: torch.Tensor) -> tuple[list, list]:

@@ -1,0 +1,294 @@
+"""The host KV pool and its staging ring on the CPU transport: byte-identical to the device pool
+for any placement, batch, depth and exact mode, also with every copy delayed; slots refilled only
+after their readers released them; budget and headroom declines that last one step."""
+
+import random
+
+import pytest
+import torch
+
+from protocol.messages import PageCopy, PageMove, SeqPlan, Step
+from worker.batch import build_meta
+from worker.host_kv import HostKVPool
+from worker.kv_pool import KVPool
+from worker.loaders.synthetic import SyntheticSource
+from worker.park_store import ParkStore
+from worker.runner import ModelRunner
+from worker.staging_ring import pack
+from worker.transport import CpuTransport
+
+H, KVH, D, P = 4, 2, 16, 4
+LAYERS = 5
+
+
+def pools(depth: int, exact: bool = False, delay_ms: float = 0.0, bridge: int | None = None,
+          n_pages: int = 64, shape: tuple[int, int, int, int] = (LAYERS, P, KVH, D),
+          budget_mib: int = 0) -> tuple[KVPool, HostKVPool]:
+    layers, page, kvh, d = shape
+    extra = {} if bridge is None else {"bridge_bytes": bridge}
+    device = KVPool(layers, n_pages, page, kvh, d, torch.float32, "cpu", exact=exact)
+    host = HostKVPool(layers, n_pages, page, kvh, d, torch.float32, "cpu", exact=exact,
+                      depth=depth, ring_budget_mib=budget_mib,
+                      transport=CpuTransport(delay_ms), **extra)
+    return device, host
+
+
+def run_step(pool, chunk, tables, seed: int, heads: int = H) -> list[torch.Tensor]:
+    """chunk: [(seq, start, n)]. Every layer attends random q, k, v (the same for every pool,
+    by `seed`); returns each layer's output."""
+    ids = [i for i, _, _ in chunk]
+    pool.settle()
+    meta = build_meta([s for _, s, _ in chunk], [n for _, _, n in chunk],
+                      [tables[i] for i in ids], [True] * len(ids), pool.page_size, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    t, (kvh, d) = len(meta.positions), pool.k.shape[-2:]
+    pool.begin_step(meta, [tables[i] for i in ids])
+    outs = []
+    for layer in pool.layers:
+        q, k, v = (torch.randn(t, h, d, generator=g) for h in (heads, kvh, kvh))
+        outs.append(layer.attend(q, k, v, meta))
+    pool.end_step()
+    return outs
+
+
+def random_schedule(rng: random.Random, n_pages: int, page: int = P):
+    """Sequences of random lengths on randomly placed pages: prefill in uneven chunks (several
+    sequences per step), then decode steps of all of them together."""
+    free = list(range(n_pages))
+    rng.shuffle(free)
+    lens = [rng.randint(3, 30) for _ in range(3)]
+    decode = 4
+    tables = {i: [free.pop() for _ in range(-(-(n + decode) // page))] for i, n in enumerate(lens)}
+    steps, done = [], [0] * len(lens)
+    while any(d < n for d, n in zip(done, lens)):
+        chunk = []
+        for i, n in enumerate(lens):
+            if done[i] < n:
+                m = min(n - done[i], rng.randint(1, 12))
+                chunk.append((i, done[i], m))
+                done[i] += m
+        steps.append(chunk)
+    for s in range(decode):
+        steps.append([(i, n + s, 1) for i, n in enumerate(lens)])
+    return tables, steps
+
+
+def assert_same_run(device, host, tables, steps) -> None:
+    for seed, chunk in enumerate(steps):
+        a = run_step(device, chunk, tables, seed)
+        b = run_step(host, chunk, tables, seed)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {seed}"
+    host.settle()
+    assert torch.equal(device.k, host.k) and torch.equal(device.v, host.v)
+
+
+def test_pack_makes_one_run_per_contiguous_range_and_bridges_small_gaps():
+    assert pack([1, 2, 3, 7, 8, 20]) == [(1, 3, 0), (7, 2, 3), (20, 1, 5)]
+    assert pack([1, 2, 3, 7, 8, 20], bridge=3) == [(1, 8, 0), (20, 1, 8)]
+    assert pack([4]) == [(4, 1, 0)]
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("depth", [0, 1, 2, 4])
+def test_host_pool_matches_device_pool_bit_for_bit_with_delayed_copies(depth, exact):
+    # bridge 0: a copy per run, every one of them delayed
+    device, host = pools(depth, exact, delay_ms=1.0, bridge=0)
+    tables, steps = random_schedule(random.Random(depth), device.n_pages)
+    assert_same_run(device, host, tables, steps)
+    assert host.ring.stats.ring_steps == (len(steps) if depth else 0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_host_pool_matches_device_pool_for_random_placements_and_batches(seed):
+    device, host = pools(depth=seed % 3 + 1)
+    tables, steps = random_schedule(random.Random(100 + seed), device.n_pages)
+    assert_same_run(device, host, tables, steps)
+
+
+def test_a_missing_ready_wait_is_exposed_by_delayed_copies():
+    """The identity tests can see a missing wait: without it attention reads an empty slot."""
+    device, host = pools(depth=2, delay_ms=5.0, bridge=0)
+    host.transport.wait = lambda ev: None
+    tables, steps = random_schedule(random.Random(7), device.n_pages)
+    outs = [(run_step(device, c, tables, s), run_step(host, c, tables, s))
+            for s, c in enumerate(steps[:2])]
+    assert not all(torch.equal(x, y) for a, b in outs for x, y in zip(a, b))
+
+
+class CheckedTransport(CpuTransport):
+    """Checks the ring's event protocol as it is issued: a slot is refilled only after its last
+    fill was read and released, read only after a fill, and never more than `depth` ahead."""
+
+    def __init__(self, delay_ms: float = 0.0):
+        super().__init__(delay_ms)
+        self.ring = None
+        self.syncs = 0
+
+    def _slot(self, ev, kind: str) -> int | None:
+        events = getattr(self.ring, kind)
+        return next((s for s, e in enumerate(events) if e is ev), None)
+
+    def start(self, ring) -> None:
+        self.ring = ring
+        n = ring.n_slots
+        self.fills, self.reads, self.released = [0] * n, [0] * n, [0] * n
+
+    def copy(self, pairs, after=None, then=None):
+        s = self._slot(then, "ready")
+        if s is not None:
+            assert after is self.ring.release[s], "a refill must wait for its slot's release"
+            assert self.fills[s] == self.reads[s] == self.released[s], f"slot {s} still in use"
+            self.fills[s] += 1
+            ahead = sum(f - r for f, r in zip(self.fills, self.reads))
+            assert ahead <= self.ring.depth, f"{ahead} layers in flight, depth {self.ring.depth}"
+        super().copy(pairs, after, then)
+
+    def wait(self, ev):
+        s = self._slot(ev, "ready")
+        assert s is not None, "the compute side waits only on ready events"
+        self.reads[s] += 1
+        assert self.reads[s] == self.fills[s], f"slot {s} read without a fill"
+        super().wait(ev)
+
+    def record(self, ev):
+        s = self._slot(ev, "release")
+        if s is not None:
+            self.released[s] += 1
+            assert self.released[s] == self.reads[s], f"slot {s} released before it was read"
+        super().record(ev)
+
+    def synchronize(self):
+        self.syncs += 1
+        super().synchronize()
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4, 8])
+def test_slots_are_recycled_stream_to_stream_only_after_release(depth):
+    transport = CheckedTransport(delay_ms=0.5)
+    host = HostKVPool(LAYERS, 64, P, KVH, D, torch.float32, "cpu", depth=depth,
+                      transport=transport, bridge_bytes=0)
+    transport.start(host.ring)
+    device = KVPool(LAYERS, 64, P, KVH, D, torch.float32, "cpu")
+    tables, steps = random_schedule(random.Random(depth), 64)
+    assert_same_run(device, host, tables, steps)
+    assert host.ring.n_slots == min(depth + 2, LAYERS)
+    assert sum(transport.reads) == LAYERS * len(steps)
+    # the host blocks once a step, to land the write-back, never for a slot
+    assert transport.syncs == len(steps)
+
+
+BIG = (4, 16, 2, 64)  # 16 KiB a page and layer: a 1 MiB ring holds 64 pages, 21 a slot of 3
+
+
+def test_a_step_over_the_budget_declines_and_a_later_small_step_takes_the_ring_again():
+    device, host = pools(depth=1, shape=BIG, n_pages=96, budget_mib=1, bridge=0)
+    small = {0: [3, 4]}
+    big = {0: list(range(10, 40))}  # 30 pages: 3 slots = 1.4 MiB
+    assert_same_run(device, host, small, [[(0, 0, 20)]])
+    assert host.ring.stats.ring_steps == 1
+    assert_same_run(device, host, big, [[(0, 0, 470)], [(0, 470, 1)]])
+    stats = host.ring.stats
+    assert stats.declines == {"budget": 2, "headroom": 0, "unsupported": 0}
+    assert stats.ordered_steps == 2
+    assert_same_run(device, host, small, [[(0, 20, 1)], [(0, 21, 1)]])
+    assert stats.ring_steps == 3 and stats.declines["budget"] == 2
+
+
+def test_declining_costs_what_the_ordered_path_costs_and_never_holds_a_ring():
+    _, declined = pools(depth=2, shape=BIG, n_pages=96, budget_mib=1, bridge=0)
+    _, ordered = pools(depth=0, shape=BIG, n_pages=96, bridge=0)
+    tables = {0: list(range(10, 40))}
+    for pool in (declined, ordered):
+        run_step(pool, [(0, 0, 470)], tables, 0)
+        pool.settle()
+    a, b = declined.ring.stats, ordered.ring.stats
+    assert a.bytes == b.bytes and a.copies == b.copies and a.reallocations == b.reallocations
+    assert declined.ring.capacity == ordered.ring.capacity == 32  # one slot, not three
+
+
+def test_a_device_short_of_headroom_declines_until_memory_frees_up():
+    device, host = pools(depth=1, shape=BIG, bridge=0)
+    free = [0]
+    host.ring.free_bytes = lambda: free[0]
+    tables = {0: [1, 2, 3]}
+    assert_same_run(device, host, tables, [[(0, 0, 40)]])
+    assert host.ring.stats.declines["headroom"] == 1
+    free[0] = 1 << 30
+    assert_same_run(device, host, tables, [[(0, 40, 1)]])
+    assert host.ring.stats.ring_steps == 1
+
+
+def test_contiguous_pages_move_in_one_copy_per_layer_and_gaps_in_one_more():
+    _, host = pools(depth=1, bridge=0)
+    run_step(host, [(0, 0, 24)], {0: [8, 9, 10, 11, 12, 13]}, 0)
+    stats = host.ring.stats
+    assert stats.copies["ahead"] == LAYERS
+    assert stats.bytes["ahead"] == LAYERS * 6 * host.ring.page_bytes
+    run_step(host, [(0, 0, 8), (1, 0, 8)], {0: [8, 9], 1: [30, 31]}, 1)
+    assert stats.copies["ahead"] == LAYERS + 2 * LAYERS
+    assert stats.copies["writeback"] == 2  # one a step, all layers together
+
+
+def test_the_buffer_gives_memory_back_after_a_long_window():
+    _, host = pools(depth=1, n_pages=96, bridge=0)
+    run_step(host, [(0, 0, 200)], {0: list(range(50))}, 0)
+    assert host.ring.capacity == 256  # 3 slots of 50, rounded up
+    run_step(host, [(0, 0, 8)], {0: [60, 61]}, 1)
+    assert host.ring.capacity == 8
+
+
+def test_park_and_restore_work_on_a_host_pool():
+    _, host = pools(depth=1)
+    host.kv.copy_(torch.randn_like(host.kv))
+    store = ParkStore(host, 6)
+    k_before, v_before = host.k[:, [2, 5, 7]].clone(), host.v[:, [2, 5, 7]].clone()
+    store.park(1, [2, 5, 7], [0, 1, 2])
+    host.kv.zero_()
+    store.restore(1, [0, 1, 2], [9, 0, 4])
+    assert torch.equal(host.k[:, [9, 0, 4]], k_before)
+    assert torch.equal(host.v[:, [9, 0, 4]], v_before)
+
+
+def runner_steps() -> list[Step]:
+    """Two sequences prefill and decode; one is parked right after a decode step and restored
+    into other pages; a page is copied (copy on write) into a third's table."""
+    return [
+        Step(step=0, seqs=[SeqPlan(id=1, start=0, n=9, pages_add=[5, 2, 7], sample=True),
+                           SeqPlan(id=2, start=0, n=5, pages_add=[0, 1], sample=True)]),
+        Step(step=1, seqs=[SeqPlan(id=1, start=9, n=1, sample=True),
+                           SeqPlan(id=2, start=5, n=1, sample=True)]),
+        Step(step=2, seqs=[SeqPlan(id=2, start=6, n=1, sample=True)],
+             park=[PageMove(id=1, pages=[5, 2, 7], slots=[0, 1, 2])]),
+        Step(step=3, seqs=[SeqPlan(id=1, start=10, n=1, sample=True),
+                           SeqPlan(id=2, start=7, n=1, sample=True),
+                           SeqPlan(id=3, start=4, n=2, pages_add=[11, 12], sample=True)],
+             restore=[PageMove(id=1, pages=[20, 3, 9], slots=[0, 1, 2])],
+             copies=[PageCopy(src=0, dst=11)]),
+        Step(step=4, seqs=[SeqPlan(id=1, start=11, n=1, sample=True),
+                           SeqPlan(id=3, start=6, n=1, sample=True)]),
+    ]
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_model_runner_hidden_states_and_tokens_match_the_device_pool(depth):
+    source = SyntheticSource("tiny")
+    a = source.args
+    stage = source.load_stage(0, a.n_layers, torch.float32, "cpu")
+    results = []
+    for pool in pools(depth, delay_ms=1.0, n_pages=24,
+                      shape=(a.n_layers, P, a.n_kv_heads, a.head_dim)):
+        runner = ModelRunner(stage, pool, ParkStore(pool, 4), "cpu")
+        last: dict[int, int] = {1: 7, 2: 9, 3: 11}
+        out = []
+        for plan in runner_steps():
+            plan.token_ids = [t for s in plan.seqs
+                              for t in ([last[s.id] + j for j in range(s.n)]
+                                        if s.n > 1 else [last[s.id]])]
+            meta = runner.apply(plan)
+            hidden = runner.forward(plan, meta, None)
+            ids, tokens = runner.sample(plan, meta, hidden)
+            last.update(zip(ids, tokens))
+            out.append((hidden, tokens))
+        results.append(out)
+    for (h1, t1), (h2, t2) in zip(*results, strict=True):
+        assert torch.equal(h1, h2) and t1 == t2

@@ -1,0 +1,177 @@
+"""Host-resident KV: the worker's pages in host memory (pinned when the device is CUDA),
+attended through the staging ring.
+
+`HostKVPool` has `KVPool`'s interface (k, v, page_size, n_pages, bytes_per_page, layers), so
+the runner and the park store work on it unchanged. Its layout, [n_layers, n_pages, 2, page,
+KVH, D], keeps one layer's K and V of a run of pages in one block: a run is one copy.
+
+A step:
+- `begin_step` packs the batch's pages into the window and renumbers the step's page tables and
+  write pages into the slot, once (never per layer);
+- each layer's `attend` takes its slot from the ring, writes the step's new rows into it,
+  attends over it with the same paged attention as the device pool, and releases it;
+- `end_step` copies every layer's new rows back in one device-to-host copy on the transfer
+  side, after the compute side has recorded that they exist;
+- `settle`, before anything on the host reads or writes the pages again (the next step, a park,
+  a restore), waits for that copy and scatters the rows into their pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import replace
+from functools import partial
+from itertools import chain
+
+import torch
+
+from .batch import BatchMeta
+from .kv_pool import attention_for
+from .metrics import WorkerMetrics
+from .staging_ring import BRIDGE_BYTES, StagingRing, device_free_bytes, pack
+from .transport import Transport, make_transport
+
+log = logging.getLogger("siding.worker")
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Zeros in host memory, page-locked when `pin`. Registered in place rather than through
+    `pin_memory=True`, whose caching allocator rounds a size up to a power of two."""
+    t = torch.zeros(shape, dtype=dtype)
+    if not pin or not t.numel():
+        return t
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0)
+        code = int(getattr(err, "value", err))
+    except (AttributeError, RuntimeError) as e:
+        code = str(e)
+    if code != 0:
+        log.warning("cudaHostRegister failed (%s); pinning through the caching allocator", code)
+        return t.pin_memory()
+    weakref.finalize(t, _unregister, t.data_ptr())
+    return t
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.synchronize()  # no copy may still read the pages
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class HostKVPool:
+    def __init__(
+        self, n_layers: int, n_pages: int, page_size: int, n_kv_heads: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device | str, exact: bool = False, depth: int = 1,
+        ring_budget_mib: int = 0, metrics: WorkerMetrics | None = None,
+        transport: Transport | None = None, bridge_bytes: int = BRIDGE_BYTES,
+    ):
+        """ring_budget_mib 0: no cap. transport None: the device's own (`make_transport`)."""
+        self.device = torch.device(device)
+        shape = (n_layers, n_pages, 2, page_size, n_kv_heads, head_dim)
+        self.kv = host_zeros(shape, dtype, pin=self.device.type == "cuda")
+        self.k, self.v = self.kv[:, :, 0], self.kv[:, :, 1]  # [L, n_pages, page, KVH, D] views
+        self.page_size = page_size
+        self.n_pages = n_pages
+        self.scale = head_dim**-0.5
+        self.attention = attention_for(exact)
+        self.transport = transport if transport is not None else make_transport(self.device)
+        free = partial(device_free_bytes, self.device) if self.device.type == "cuda" else None
+        self.ring = StagingRing(self.kv, self.transport, self.device, depth,
+                                ring_budget_mib << 20, free, metrics)
+        self.bridge = bridge_bytes // self.ring.page_bytes
+        self.layers = [HostLayerView(self, i) for i in range(n_layers)]
+        self.meta: BatchMeta | None = None  # the step's metadata, renumbered into the slot
+        self.step: BatchMeta | None = None  # the step's metadata as the runner built it
+        self.rows: list[torch.Tensor] = []  # k, v of each layer so far: [T, KVH, D] each
+        self._write: tuple[torch.Tensor, torch.Tensor] | None = None  # host (pages, offsets)
+        self._writeback: tuple[torch.Tensor, ...] | None = None  # in flight until settle
+        self._open = False  # a step began and has not been settled
+        self._wb_event = None if self.transport is None else self.transport.event()
+        self._wb_host: torch.Tensor | None = None
+        if self.transport is not None:
+            weakref.finalize(self, self.transport.close)
+
+    @property
+    def bytes_per_page(self) -> int:
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def settle(self) -> None:
+        if not self._open:
+            return
+        self.ring.settle()
+        if self._writeback is not None:
+            rows, _, pages, offsets = self._writeback
+            self.k[:, pages, offsets] = rows[:, 0]
+            self.v[:, pages, offsets] = rows[:, 1]
+            self._writeback = None
+        self._open = False
+
+    def begin_step(self, meta: BatchMeta, tables: list[list[int]]) -> None:
+        self.settle()
+        p = self.page_size
+        used = [t[: -(-c // p)] for t, c in zip(tables, meta.context_lens)]
+        runs = pack(sorted(set(chain.from_iterable(used))), self.bridge)
+        where: dict[int, int] = {}
+        for start, count, off in runs:
+            where.update(zip(range(start, start + count), range(off, off + count)))
+        pages, offsets = [], []
+        for b, (table, ctx) in enumerate(zip(used, meta.context_lens)):
+            for pos in range(ctx - (meta.query_starts[b + 1] - meta.query_starts[b]), ctx):
+                pages.append(table[pos // p])
+                offsets.append(pos % p)
+        local = torch.tensor([where[q] for q in chain(chain.from_iterable(used), pages)],
+                             dtype=torch.int64, device=self.device)
+        *slot_tables, slot_writes = local.split([*map(len, used), len(pages)])
+        self.meta = replace(meta, page_tables=slot_tables, write_pages=slot_writes)
+        self.step = meta
+        self._write = (torch.tensor(pages), torch.tensor(offsets))
+        self.rows = []
+        self._open = True
+        self.ring.begin_step(runs)
+
+    def end_step(self) -> None:
+        assert len(self.rows) == 2 * len(self.layers), "end_step before every layer attended"
+        rows = torch.stack(self.rows)
+        rows = rows.view(len(self.layers), 2, *rows.shape[1:])  # [L, 2, T, KVH, D]
+        self.rows = []
+        if self.transport is None:
+            host = rows.cpu()
+        else:
+            host = self._host_rows(rows.numel()).view(rows.shape)
+            self.transport.record(self._wb_event)
+            self.transport.copy([(host, rows)], after=self._wb_event)
+        # rows stays referenced until settle: the copy may still be reading it
+        self._writeback = (host, rows, *self._write)
+        self.ring.count("writeback", rows.nbytes, 1)
+        self.ring.end_step()
+
+    def _host_rows(self, numel: int) -> torch.Tensor:
+        """A flat host buffer for the step's rows; only replaced with the transfer side idle."""
+        if self._wb_host is None or self._wb_host.numel() < numel:
+            size = 1 << (numel - 1).bit_length()
+            self._wb_host = torch.empty(size, dtype=self.kv.dtype,
+                                        pin_memory=self.device.type == "cuda")
+        return self._wb_host[:numel]
+
+
+class HostLayerView:
+    """The LayerKV of one layer of a HostKVPool."""
+
+    def __init__(self, pool: HostKVPool, layer: int):
+        self.pool = pool
+        self.layer = layer
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta
+    ) -> torch.Tensor:
+        pool = self.pool
+        assert meta is pool.step, "attend outside the step begun with begin_step"
+        sm = pool.meta
+        k_slot, v_slot = pool.ring.acquire(self.layer)  # [n, page, KVH, D] each
+        k, v = k.to(k_slot.dtype), v.to(v_slot.dtype)
+        k_slot[sm.write_pages, sm.write_offsets] = k
+        v_slot[sm.write_pages, sm.write_offsets] = v
+        pool.rows += (k, v)
+        out = pool.attention(q, k_slot, v_slot, sm, pool.scale)
+        pool.ring.release_slot(self.layer)
+        return out

@@ -1,0 +1,214 @@
+"""The staging ring: each layer's window of host KV pages, delivered into a device slot ahead of
+the layer that reads it.
+
+The host pool is [n_layers, n_pages, 2, page, KVH, D]. A step's window (its batch's pages) is
+packed into runs (host start page, count, slot offset), so one layer moves in one copy per run.
+A slot is the window packed, [n, 2, page, KVH, D]; the buffer holds the slots end to end, so a
+slot is as large as this step's window, never the largest one seen.
+
+Ring path, for layer l and m = l + depth (issued once layer l's attention is enqueued):
+
+    transfer:  wait release[s(m)]; copy layer m's runs into slot s(m); record ready[s(m)]
+    compute:   wait ready[s(l)]; write the step's rows; attend; record release[s(l)]
+
+With depth + 2 slots, layer m recycles the slot of layer l - 2, so a delivery never queues
+behind the layer just enqueued or the one before it, which a device may still be running.
+Recycling is ordered stream to stream; the host never blocks on a slot.
+
+Ordered path (depth 0, or a declined step): copy then attend, one slot, on the compute side.
+A step declines when its ring would pass the budget or its device lacks headroom for it, for
+that step only: the decision is remade every step and costs a few integer comparisons.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .metrics import DECLINE_REASONS, TRANSFER_PATHS, WorkerMetrics
+from .transport import Transport
+
+HEADROOM_BYTES = 512 << 20  # device memory a ring must leave free for everything else
+# A gap of unused pages up to this size is copied along with its neighbours: on a PCIe-class
+# link a copy costs about as much as 256 KiB of bytes, so bridging is cheaper than splitting.
+BRIDGE_BYTES = 256 << 10
+SHRINK = 4  # give memory back once the buffer is this many times what the ring needs
+
+Run = tuple[int, int, int]  # (host start page, page count, slot offset)
+
+
+def pack(pages: list[int], bridge: int = 0) -> list[Run]:
+    """Sorted page ids -> runs; a gap of at most `bridge` pages joins its neighbours."""
+    spans: list[list[int]] = []  # [start, end)
+    for p in pages:
+        if spans and p - spans[-1][1] <= bridge:
+            spans[-1][1] = p + 1
+        else:
+            spans.append([p, p + 1])
+    runs, off = [], 0
+    for start, end in spans:
+        runs.append((start, end - start, off))
+        off += end - start
+    return runs
+
+
+def device_free_bytes(device: torch.device) -> int:
+    """What a new allocation on `device` can use: free to the driver plus torch's idle cache."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+@dataclass
+class RingStats:
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRANSFER_PATHS, 0))
+    copies: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRANSFER_PATHS, 0))
+    declines: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DECLINE_REASONS, 0))
+    ring_steps: int = 0
+    ordered_steps: int = 0
+    wait_seconds: float = 0.0
+    reallocations: int = 0
+
+
+class StagingRing:
+    def __init__(
+        self, host: torch.Tensor, transport: Transport | None, device: torch.device | str,
+        depth: int, budget_bytes: int = 0, free_bytes: Callable[[], int] | None = None,
+        metrics: WorkerMetrics | None = None,
+    ):
+        """host: [L, n_pages, 2, page, KVH, D]; budget_bytes 0: no cap; free_bytes: the
+        device's free memory (None: not checked)."""
+        self.host = host
+        self.transport = transport
+        self.device = torch.device(device)
+        self.n_layers = host.shape[0]
+        self.page_bytes = host[0, 0].numel() * host.element_size()  # one layer's K+V of a page
+        self.depth = depth
+        self.n_slots = min(depth + 2, self.n_layers)
+        self.budget = budget_bytes
+        self.free_bytes = free_bytes
+        self.metrics = metrics
+        self.stats = RingStats()
+        self.buf: torch.Tensor | None = None  # [capacity, 2, page, KVH, D]
+        events = depth > 0 and transport is not None
+        self.ready = [transport.event() for _ in range(self.n_slots)] if events else []
+        self.release = [transport.event() for _ in range(self.n_slots)] if events else []
+        self.ahead = False
+        self.runs: list[Run] = []
+        self.n = 0
+        self.slots: list[torch.Tensor] = []
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buf is None else self.buf.shape[0]
+
+    # ---- per step ---------------------------------------------------------------------------
+
+    def begin_step(self, runs: list[Run]) -> None:
+        """Stage a step whose window is `runs`; on the ring path, deliver the first layers."""
+        self.runs = runs
+        self.n = n = runs[-1][1] + runs[-1][2]
+        self.ahead = self._take_ring()
+        slots = self.n_slots if self.ahead else 1
+        self._fit(n * slots)
+        self.slots = [self.buf[i * n:(i + 1) * n] for i in range(slots)]
+        self.kv = [(s[:, 0], s[:, 1]) for s in self.slots]
+        if self.ahead:
+            self.stats.ring_steps += 1
+            for m in range(min(self.depth, self.n_layers)):
+                self._deliver(m)
+        else:
+            self.stats.ordered_steps += 1
+
+    def acquire(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s window in its slot, once it has landed: (k, v) [n, page, KVH, D]."""
+        if not self.ahead:
+            slot, host = self.slots[0], self.host[layer]
+            for start, count, off in self.runs:
+                slot[off:off + count].copy_(host[start:start + count], non_blocking=True)
+            return self.kv[0]
+        s = layer % self.n_slots
+        self.transport.wait(self.ready[s])
+        return self.kv[s]
+
+    def release_slot(self, layer: int) -> None:
+        """Layer `layer`'s attention is enqueued: free its slot, deliver layer + depth."""
+        if self.ahead:
+            self.transport.record(self.release[layer % self.n_slots])
+            if layer + self.depth < self.n_layers:
+                self._deliver(layer + self.depth)
+
+    def end_step(self) -> None:
+        path = "ahead" if self.ahead else "ordered"
+        self.count(path, self.n_layers * self.n * self.page_bytes,
+                   self.n_layers * len(self.runs))
+        if self.metrics is not None:
+            self.metrics.ring(self.capacity * self.page_bytes, self.n_slots if self.ahead else 0)
+
+    def settle(self) -> None:
+        """Block until every delivery and write-back issued so far has landed."""
+        if self.transport is None:
+            return
+        self.transport.synchronize()
+        waited = self.transport.wait_seconds()
+        self.stats.wait_seconds += waited
+        if self.metrics is not None and waited:
+            self.metrics.wait(waited)
+
+    def count(self, path: str, nbytes: int, copies: int) -> None:
+        self.stats.bytes[path] += nbytes
+        self.stats.copies[path] += copies
+        if self.metrics is not None:
+            self.metrics.transfer(path, nbytes, copies)
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _deliver(self, m: int) -> None:
+        s = m % self.n_slots
+        slot, host = self.slots[s], self.host[m]
+        self.transport.copy(
+            [(slot[off:off + count], host[start:start + count]) for start, count, off in self.runs],
+            after=self.release[s], then=self.ready[s],
+        )
+
+    def _take_ring(self) -> bool:
+        if self.depth == 0:
+            return False
+        if self.transport is None:
+            return self._decline("unsupported")
+        need = self.n_slots * self.n * self.page_bytes
+        if self.budget and need > self.budget:
+            return self._decline("budget")
+        grow = need - self.capacity * self.page_bytes
+        if grow > 0 and self.free_bytes is not None and self.free_bytes() - grow < HEADROOM_BYTES:
+            return self._decline("headroom")
+        return True
+
+    def _decline(self, reason: str) -> bool:
+        self.stats.declines[reason] += 1
+        if self.metrics is not None:
+            self.metrics.decline(reason)
+        return False
+
+    def _fit(self, need: int) -> None:
+        """Make the buffer hold `need` pages. It grows to a power of two (within the budget and
+        the headroom), so a growing context reallocates rarely, and shrinks when it holds SHRINK
+        times what this window's ring would need. Only called with the transfer side idle."""
+        cap = self.capacity
+        ring = self.n * (self.n_slots if self.depth else 1)
+        if need <= cap <= SHRINK * ring:
+            return
+        target = 1 << (need - 1).bit_length()
+        if self.budget:
+            target = min(target, max(need, self.budget // self.page_bytes))
+        if target > need and self.free_bytes is not None:
+            spare = self.free_bytes() + cap * self.page_bytes - HEADROOM_BYTES
+            if target * self.page_bytes > spare:
+                target = need
+        self.buf = None  # give the old buffer back before taking the new one
+        # zeros, not empty: no slot ever holds NaN garbage, not even where a mask hides it
+        self.buf = torch.zeros((target, *self.host.shape[2:]), dtype=self.host.dtype,
+                               device=self.device)
+        self.stats.reallocations += 1

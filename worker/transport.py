@@ -1,0 +1,215 @@
+"""Transports: how the staging ring moves bytes and orders its two sides.
+
+A transport has a compute side (where attention runs) and a transfer side (a FIFO of copies),
+and events that order one against the other the way CUDA events order two streams: `wait` and
+`copy(after=...)` capture the event's latest record at the time they are called, never a later
+one, and nothing blocks the host except `synchronize` (and, on the CPU, the compute side's
+`wait`, because there the host thread *is* the compute stream).
+
+`CudaTransport` is a dedicated CUDA stream with `torch.cuda.Event`s. `CpuTransport` is a copy
+thread over a FIFO with events of its own, so the same ring logic runs in CI. Both take
+`delay_ms`, a fault injection that delays every transfer-side copy: with it a missing wait shows
+up as wrong bytes instead of staying hidden behind a fast copy. `make_transport` reads it from
+`SIDING_TRANSPORT_DELAY_MS`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+DELAY_ENV = "SIDING_TRANSPORT_DELAY_MS"
+# Every wait has a deadline: a transfer that has not landed after this long is a bug, not load.
+WAIT_TIMEOUT_S = 120.0
+# torch.cuda._sleep spins for clock cycles; about 1.5-2 GHz on current parts, so a delay is
+# approximate, which is all fault injection needs.
+CYCLES_PER_MS = 1_500_000
+# CUDA waits are timed on one call in this many (two timing events each), scaled back up.
+WAIT_SAMPLE = 16
+
+Pair = tuple[torch.Tensor, torch.Tensor]  # (dst, src)
+
+
+class Transport(Protocol):
+    def event(self) -> Any: ...
+
+    def record(self, ev: Any) -> None:
+        """Record `ev` on the compute side, after everything enqueued there so far."""
+
+    def wait(self, ev: Any) -> None:
+        """Make the compute side wait for `ev`'s latest record."""
+
+    def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
+        """On the transfer side: wait for `after`, copy each (dst, src), then record `then`."""
+
+    def synchronize(self) -> None:
+        """Block the host until both sides are idle."""
+
+    def wait_seconds(self) -> float:
+        """Compute-side time spent in `wait` since the last call (after `synchronize`)."""
+
+    def close(self) -> None: ...
+
+
+def make_transport(device: torch.device | str, delay_ms: float | None = None) -> Transport | None:
+    """The transport for `device`, or None where there is none (the ring then declines)."""
+    device = torch.device(device)
+    if delay_ms is None:
+        delay_ms = float(os.environ.get(DELAY_ENV) or 0)
+    if device.type == "cuda":
+        return CudaTransport(device, delay_ms)
+    if device.type == "cpu":
+        return CpuTransport(delay_ms)
+    return None
+
+
+class CudaTransport:
+    def __init__(self, device: torch.device | str, delay_ms: float = 0.0):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+        # The worker computes on the device's current stream and never switches it.
+        self.compute = torch.cuda.current_stream(self.device)
+        self.delay_cycles = int(delay_ms * CYCLES_PER_MS)
+        self._waits = 0
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def event(self) -> torch.cuda.Event:
+        return torch.cuda.Event()
+
+    def record(self, ev: torch.cuda.Event) -> None:
+        ev.record(self.compute)
+
+    def wait(self, ev: torch.cuda.Event) -> None:
+        self._waits += 1
+        if self._waits % WAIT_SAMPLE:
+            self.compute.wait_event(ev)
+            return
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(self.compute)
+        self.compute.wait_event(ev)
+        b.record(self.compute)
+        self._timed.append((a, b))
+
+    def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
+        s = self.stream
+        if after is not None:
+            s.wait_event(after)
+        with torch.cuda.stream(s):
+            for dst, src in pairs:
+                if self.delay_cycles:
+                    torch.cuda._sleep(self.delay_cycles)
+                dst.copy_(src, non_blocking=True)
+        if then is not None:
+            then.record(s)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+        self.compute.synchronize()
+
+    def wait_seconds(self) -> float:
+        ms = sum(a.elapsed_time(b) for a, b in self._timed)
+        self._timed.clear()
+        return ms * WAIT_SAMPLE / 1e3
+
+    def close(self) -> None:
+        self.synchronize()
+
+
+class CpuEvent:
+    """An event with generations: `recorded` counts records enqueued, `done` those completed.
+    Each event is recorded on one side only (ready: transfer, release: compute)."""
+
+    __slots__ = ("cond", "recorded", "done")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.recorded = 0
+        self.done = 0
+
+    def complete(self, gen: int) -> None:
+        with self.cond:
+            self.done = max(self.done, gen)
+            self.cond.notify_all()
+
+    def wait_for(self, gen: int) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.done >= gen, WAIT_TIMEOUT_S):
+                raise RuntimeError(f"transfer event not completed after {WAIT_TIMEOUT_S:.0f}s")
+
+
+class CpuTransport:
+    """The compute side is the calling thread (its ops are finished when they return), the
+    transfer side a thread that runs copies in FIFO order."""
+
+    def __init__(self, delay_ms: float = 0.0):
+        self.delay = delay_ms / 1e3
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self._waited = 0.0
+        self.thread = threading.Thread(target=self._run, name="siding-transfer", daemon=True)
+        self.thread.start()
+
+    def event(self) -> CpuEvent:
+        return CpuEvent()
+
+    def record(self, ev: CpuEvent) -> None:
+        with ev.cond:
+            ev.recorded += 1
+        ev.complete(ev.recorded)
+
+    def wait(self, ev: CpuEvent) -> None:
+        t0 = time.perf_counter()
+        ev.wait_for(ev.recorded)
+        self._waited += time.perf_counter() - t0
+        self._raise()
+
+    def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
+        need = after.recorded if after is not None else 0
+        gen = 0
+        if then is not None:
+            with then.cond:
+                then.recorded += 1
+                gen = then.recorded
+        self.queue.put((after, need, list(pairs), then, gen))
+
+    def synchronize(self) -> None:
+        done = CpuEvent()
+        self.queue.put((None, 0, [], done, 1))
+        done.wait_for(1)
+        self._raise()
+
+    def wait_seconds(self) -> float:
+        s, self._waited = self._waited, 0.0
+        return s
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join(WAIT_TIMEOUT_S)
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"a staging copy failed: {self.error}") from self.error
+
+    def _run(self) -> None:
+        # The ring's buffers are made under inference mode; writing them needs it too.
+        with torch.inference_mode():
+            while (item := self.queue.get()) is not None:
+                after, need, pairs, then, gen = item
+                try:
+                    if after is not None:
+                        after.wait_for(need)
+                    for dst, src in pairs:
+                        if self.delay:
+                            time.sleep(self.delay)
+                        dst.copy_(src)
+                except BaseException as e:  # surfaced on the compute side's next wait
+                    self.error = e
+                finally:
+                    if then is not None:
+                        then.complete(gen)
