@@ -49,7 +49,7 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
     if code != 0:
         log.warning("cudaHostRegister failed (%s); pinning through the caching allocator", code)
         return t.pin_memory()
-    weakref.finalize(t, _unregister, t.data_ptr())
+    weakref.finalize(t, _unregister, t.data_ptr()).atexit = False  # exit frees it anyway
     return t
 
 
@@ -89,7 +89,7 @@ class HostKVPool:
         self._wb_event = None if self.transport is None else self.transport.event()
         self._wb_host: torch.Tensor | None = None
         if self.transport is not None:
-            weakref.finalize(self, self.transport.close)
+            weakref.finalize(self, self.transport.close).atexit = False
 
     @property
     def bytes_per_page(self) -> int:
@@ -100,9 +100,9 @@ class HostKVPool:
             return
         self.ring.settle()
         if self._writeback is not None:
-            rows, _, pages, offsets = self._writeback
-            self.k[:, pages, offsets] = rows[:, 0]
-            self.v[:, pages, offsets] = rows[:, 1]
+            host, _, pages, offsets = self._writeback  # host: [L, 2, T, KVH, D]
+            self.k[:, pages, offsets] = host[:, 0]
+            self.v[:, pages, offsets] = host[:, 1]
             self._writeback = None
         self._open = False
 

@@ -207,7 +207,7 @@ class StagingRing:
             spare = self.free_bytes() + cap * self.page_bytes - HEADROOM_BYTES
             if target * self.page_bytes > spare:
                 target = need
-        self.buf = None  # give the old buffer back before taking the new one
+        self.buf, self.slots, self.kv = None, [], []  # the old buffer goes before the new comes
         # zeros, not empty: no slot ever holds NaN garbage, not even where a mask hides it
         self.buf = torch.zeros((target, *self.host.shape[2:]), dtype=self.host.dtype,
                                device=self.device)

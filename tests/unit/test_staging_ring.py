@@ -23,29 +23,33 @@ LAYERS = 5
 
 def pools(depth: int, exact: bool = False, delay_ms: float = 0.0, bridge: int | None = None,
           n_pages: int = 64, shape: tuple[int, int, int, int] = (LAYERS, P, KVH, D),
-          budget_mib: int = 0) -> tuple[KVPool, HostKVPool]:
+          budget_mib: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
+          transport=None) -> tuple[KVPool, HostKVPool]:
+    """A device pool and a host pool of the same shape; the host one on the CPU transport with
+    `delay_ms` unless given another."""
     layers, page, kvh, d = shape
     extra = {} if bridge is None else {"bridge_bytes": bridge}
-    device = KVPool(layers, n_pages, page, kvh, d, torch.float32, "cpu", exact=exact)
-    host = HostKVPool(layers, n_pages, page, kvh, d, torch.float32, "cpu", exact=exact,
-                      depth=depth, ring_budget_mib=budget_mib,
-                      transport=CpuTransport(delay_ms), **extra)
-    return device, host
+    on_device = KVPool(layers, n_pages, page, kvh, d, dtype, device, exact=exact)
+    host = HostKVPool(layers, n_pages, page, kvh, d, dtype, device, exact=exact, depth=depth,
+                      ring_budget_mib=budget_mib,
+                      transport=transport or CpuTransport(delay_ms), **extra)
+    return on_device, host
 
 
-def run_step(pool, chunk, tables, seed: int, heads: int = H) -> list[torch.Tensor]:
+def run_step(pool, chunk, tables, seed: int, heads: int = H,
+             device: str = "cpu") -> list[torch.Tensor]:
     """chunk: [(seq, start, n)]. Every layer attends random q, k, v (the same for every pool,
     by `seed`); returns each layer's output."""
     ids = [i for i, _, _ in chunk]
     pool.settle()
     meta = build_meta([s for _, s, _ in chunk], [n for _, _, n in chunk],
-                      [tables[i] for i in ids], [True] * len(ids), pool.page_size, "cpu")
+                      [tables[i] for i in ids], [True] * len(ids), pool.page_size, device)
     g = torch.Generator().manual_seed(seed)
-    t, (kvh, d) = len(meta.positions), pool.k.shape[-2:]
+    t, (kvh, d), dtype = len(meta.positions), pool.k.shape[-2:], pool.k.dtype
     pool.begin_step(meta, [tables[i] for i in ids])
     outs = []
     for layer in pool.layers:
-        q, k, v = (torch.randn(t, h, d, generator=g) for h in (heads, kvh, kvh))
+        q, k, v = (torch.randn(t, h, d, generator=g).to(device, dtype) for h in (heads, kvh, kvh))
         outs.append(layer.attend(q, k, v, meta))
     pool.end_step()
     return outs
@@ -73,13 +77,13 @@ def random_schedule(rng: random.Random, n_pages: int, page: int = P):
     return tables, steps
 
 
-def assert_same_run(device, host, tables, steps) -> None:
+def assert_same_run(on_device, host, tables, steps, device: str = "cpu") -> None:
     for seed, chunk in enumerate(steps):
-        a = run_step(device, chunk, tables, seed)
-        b = run_step(host, chunk, tables, seed)
+        a = run_step(on_device, chunk, tables, seed, device=device)
+        b = run_step(host, chunk, tables, seed, device=device)
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {seed}"
     host.settle()
-    assert torch.equal(device.k, host.k) and torch.equal(device.v, host.v)
+    assert torch.equal(on_device.k.cpu(), host.k) and torch.equal(on_device.v.cpu(), host.v)
 
 
 def test_pack_makes_one_run_per_contiguous_range_and_bridges_small_gaps():

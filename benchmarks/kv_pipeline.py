@@ -1,0 +1,256 @@
+"""`siding bench kv-pipeline`: host-KV decode, ordered (depth 0) against pipelined (depths 1, 2,
+4), across context lengths, at batch 1.
+
+Runs in-process on ModelRunners over one loaded stage (no cluster), so the numbers are the
+worker's and the ring's, not the sockets'. Every arm decodes the same sequence from the same KV
+bytes (random: the context is already in the pool), one token a step; the arms take turns,
+`--steps` steps each per round, so load from elsewhere lands on all of them alike. Measured in
+the same run, per context:
+
+- compute: the same decode with KV on the device (`--kv device`), a step without copies;
+- copy: one step's deliveries alone (every layer's window, the copies the ring issues);
+- ceiling: max(copy, compute), the best a pipelined step can do (ordered pays copy + compute);
+- link: one large pinned host -> device copy.
+
+Reported: step time and tokens/s per arm, speed-up over ordered, fraction of the ceiling,
+achieved H2D bandwidth (a step's KV bytes over the copy time, and over each arm's step time)
+against the link, bytes per copy, ring bytes, compute-side waits, declines, and whether every
+arm produced the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from protocol.messages import SeqPlan, Step
+from worker.host_kv import HostKVPool
+from worker.kv_pool import KVPool
+from worker.loaders import resolve
+from worker.park_store import ParkStore
+from worker.runner import ModelRunner
+
+from .link import pinned_bandwidth, sync
+from .report import (
+    Series,
+    Spread,
+    format_table,
+    machine_info,
+    progress,
+    result_paths,
+    timestamp,
+    write_json,
+    write_plot,
+)
+
+SCENARIO = "kv-pipeline"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+KV_SEED = 0
+FIRST_TOKEN = 1000
+
+
+@dataclass
+class Arm:
+    name: str  # "device", "ordered" or "depth N"
+    runner: ModelRunner
+    pool: KVPool | HostKVPool
+    pages: list[int]
+    position: int
+    token: int = FIRST_TOKEN
+    steps: int = 0
+    tokens: list[int] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)  # one sample per round
+
+    def step(self) -> None:
+        first = self.steps == 0
+        plan = Step(step=self.steps, token_ids=[self.token], seqs=[SeqPlan(
+            id=1, start=self.position, n=1, pages_add=self.pages if first else [], sample=True)])
+        meta = self.runner.apply(plan)
+        hidden = self.runner.forward(plan, meta, None)
+        _, (self.token,) = self.runner.sample(plan, meta, hidden)  # waits for the device
+        self.tokens.append(self.token)
+        self.position += 1
+        self.steps += 1
+
+    def round(self, steps: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        return (time.perf_counter() - t0) / steps
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(prog="siding bench kv-pipeline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="synthetic:llama-1b" if cuda else "synthetic:smollm2-135m",
+                   help="any --model spec (synthetic shapes need no checkpoint)")
+    p.add_argument("--device", default="cuda:0" if cuda else "cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    p.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768" if cuda
+                   else "256,1024,2048", help="context lengths, comma-separated")
+    p.add_argument("--depths", default="1,2,4", help="pipelined depths, comma-separated")
+    p.add_argument("--steps", type=int, default=16, help="decode steps per arm per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=4, help="decode steps per arm before timing")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--ring-budget-mib", type=int, default=512, help="as `siding launch`")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument("--out", default="bench-results")
+    a = p.parse_args(argv)
+    a.contexts = [int(x) for x in a.contexts.split(",")]
+    a.depths = [int(x) for x in a.depths.split(",")]
+    if min(a.contexts) < 1 or min(a.depths) < 1 or a.steps < 1 or a.rounds < 1:
+        p.error("contexts, depths, --steps and --rounds must be positive")
+    return a
+
+
+def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
+               device: torch.device, a: argparse.Namespace) -> list[Arm]:
+    """A device-KV arm, an ordered arm and one per depth, every pool holding the same KV."""
+    n_pages = -(-(context + total_steps) // a.page_size)
+    shape = (args.n_layers, n_pages, a.page_size, args.n_kv_heads, args.head_dim)
+    pools: dict[str, KVPool | HostKVPool] = {"device": KVPool(*shape, dtype, device)}
+    for depth in [0, *a.depths]:
+        pools["ordered" if depth == 0 else f"depth {depth}"] = HostKVPool(
+            *shape, dtype, device, depth=depth, ring_budget_mib=a.ring_budget_mib)
+    first = pools["ordered"]
+    g = torch.Generator().manual_seed(KV_SEED)
+    for layer in range(args.n_layers):  # a layer at a time: a float32 draw of it all is large
+        first.kv[layer] = torch.randn(first.kv[layer].shape, generator=g).to(dtype)
+    for pool in pools.values():
+        if pool is not first:
+            pool.k.copy_(first.k)
+            pool.v.copy_(first.v)
+    pages = list(range(n_pages))
+    return [Arm(name, ModelRunner(stage, pool, ParkStore(pool, 1), device), pool, pages, context)
+            for name, pool in pools.items()]
+
+
+def copy_seconds(pool: HostKVPool, n_pages: int, device: torch.device,
+                 repeats: int = 5) -> list[float]:
+    """One step's deliveries alone: every layer's window of `n_pages` pages, one copy each."""
+    dst = torch.empty((n_pages, *pool.kv.shape[2:]), dtype=pool.kv.dtype, device=device)
+    samples = []
+    for _ in range(repeats + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        for layer in range(pool.kv.shape[0]):
+            dst.copy_(pool.kv[layer, :n_pages], non_blocking=True)
+        sync(device)
+        samples.append(time.perf_counter() - t0)
+    return samples[1:]  # the first pays for warm-up
+
+
+def run_context(stage, args, context: int, dtype, device, a, link: Spread) -> dict[str, Any]:
+    total = a.warmup + a.steps * a.rounds
+    arms = build_arms(stage, args, context, total, dtype, device, a)
+    ordered = arms[1].pool
+    window = -(-(context + 1) // a.page_size)  # pages of the first timed step
+    kv_bytes = args.n_layers * window * ordered.ring.page_bytes  # a step's deliveries
+    copy = Spread.of(copy_seconds(ordered, window, device))
+    for arm in arms:
+        for _ in range(a.warmup):
+            arm.step()
+    for r in range(a.rounds):
+        for arm in arms:
+            arm.step_seconds.append(arm.round(a.steps))
+        progress(SCENARIO, f"context {context}: round {r + 1}/{a.rounds}  " + "  ".join(
+            f"{arm.name} {arm.step_seconds[-1] * 1e3:.2f} ms" for arm in arms))
+    compute = Spread.of(arms[0].step_seconds)
+    ceiling = max(copy.median, compute.median)
+    ordered_time = Spread.of(arms[1].step_seconds).median
+    out: dict[str, Any] = {
+        "context": context, "window_pages": window, "kv_bytes_per_step": kv_bytes,
+        "copy_s": copy, "copy_bytes_per_s": kv_bytes / copy.median,
+        "copy_of_link": kv_bytes / copy.median / link.median,
+        "compute_s": compute, "ceiling_s": ceiling, "ordered_model_s": copy.median + compute.median,
+        "identical_tokens": all(arm.tokens == arms[0].tokens for arm in arms), "arms": {},
+    }
+    for arm in arms:
+        t = Spread.of(arm.step_seconds)
+        rec: dict[str, Any] = {"step_s": t, "tokens_per_s": 1 / t.median,
+                               "over_ordered": ordered_time / t.median,
+                               "of_ceiling": ceiling / t.median,
+                               "effective_bytes_per_s": kv_bytes / t.median}
+        if isinstance(arm.pool, HostKVPool):
+            ring = arm.pool.ring
+            arm.pool.settle()
+            s = ring.stats
+            copies = sum(s.copies[p] for p in ("ahead", "ordered"))
+            rec.update(ring_bytes=ring.capacity * ring.page_bytes, ring_slots=ring.n_slots,
+                       declines=dict(s.declines), ring_steps=s.ring_steps,
+                       ordered_steps=s.ordered_steps,
+                       bytes_per_copy=sum(s.bytes[p] for p in ("ahead", "ordered")) / copies,
+                       wait_s_per_step=s.wait_seconds / arm.steps)
+        out["arms"][arm.name] = rec
+    return out
+
+
+def table(points: list[dict[str, Any]], link: Spread) -> str:
+    headers = ["context", "arm", "ms/step", "tok/s", "x ordered", "of ceiling", "eff GB/s",
+               "of link", "MiB/copy", "ring MiB", "declines", "wait ms"]
+    rows = []
+    for p in points:
+        rows.append([p["context"], "copy alone", p["copy_s"].text(1e3, 2), "", "", "",
+                     f"{p['copy_bytes_per_s'] / 1e9:.1f}", f"{p['copy_of_link']:.2f}", "", "",
+                     "", ""])
+        for name, r in p["arms"].items():
+            ring = "ring_bytes" in r
+            rows.append([
+                "", name, r["step_s"].text(1e3, 2), f"{r['tokens_per_s']:.1f}",
+                f"{r['over_ordered']:.2f}", f"{r['of_ceiling']:.2f}",
+                f"{r['effective_bytes_per_s'] / 1e9:.1f}",
+                f"{r['effective_bytes_per_s'] / link.median:.2f}",
+                f"{r['bytes_per_copy'] / 2**20:.2f}" if ring else "",
+                f"{r['ring_bytes'] / 2**20:.0f}" if ring else "",
+                sum(r["declines"].values()) if ring else "",
+                f"{r['wait_s_per_step'] * 1e3:.2f}" if ring else "",
+            ])
+    return format_table(headers, rows)
+
+
+def main(argv: list[str]) -> None:
+    a = parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    dtype = DTYPES.get(a.dtype, torch.float32 if device.type == "cpu" else torch.bfloat16)
+    source = resolve(a.model)
+    args = source.args
+    progress(SCENARIO, f"loading {a.model} ({dtype}, {device})")
+    stage = source.load_stage(0, args.n_layers, dtype, device)
+    link = pinned_bandwidth(device, "h2d", nbytes=1 << 30 if device.type == "cuda" else 1 << 28)
+    progress(SCENARIO, f"pinned link h2d {link.text(1e-9, 1)} GB/s")
+    points = []
+    for context in a.contexts:
+        points.append(run_context(stage, args, context, dtype, device, a, link))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the last context's pools go before the next one's come
+    stamp = timestamp()
+    json_path, png_path = result_paths(a.out, SCENARIO, stamp)
+    write_json(json_path, {
+        "scenario": SCENARIO, "command": " ".join(["siding", "bench", SCENARIO, *argv]),
+        "started": stamp, "config": vars(a) | {"dtype": str(dtype)},
+        "method": "in-process ModelRunners, batch 1, arms interleaved per round",
+        "link_h2d_bytes_per_s": link, "points": points, "machine": machine_info(a.device),
+    })
+    names = list(points[0]["arms"])
+    xs = [p["context"] for p in points]
+    series = [Series(n, xs, [Spread.of([1 / s for s in (p["arms"][n]["step_s"].min,
+                                                         p["arms"][n]["step_s"].median,
+                                                         p["arms"][n]["step_s"].max)])
+                             for p in points]) for n in names]
+    series.append(Series("ceiling 1/max(copy, compute)", xs,
+                         [Spread.of([1 / p["ceiling_s"]]) for p in points]))
+    write_plot(png_path, series, f"host KV decode, {a.model} {dtype}, batch 1, "
+               f"{machine_info(a.device)['device_name']}", "context (tokens)", "tokens/s")
+    print(f"pinned link h2d {link.text(1e-9, 1)} GB/s")
+    print(table(points, link))
+    print("identical tokens in every arm: " + ", ".join(
+        f"{p['context']}: {p['identical_tokens']}" for p in points))
+    print(f"wrote {json_path} and {png_path}")
