@@ -20,7 +20,6 @@ from protocol import security
 from protocol.errors import ErrorCode, ProtocolError, RequestError
 from protocol.messages import (
     Abort,
-    Choice,
     Chunk,
     Error,
     Generate,
@@ -28,24 +27,24 @@ from protocol.messages import (
     PageMove,
     Ready,
     Register,
-    Result,
     SeqPlan,
     Status,
     StatusReply,
     Step,
     StepError,
     StepResult,
-    Usage,
 )
 from protocol.messages import Sampling as SamplingMsg
 from protocol.wire import MAX_MESSAGE_BYTES, decode, encode
 
+from .admission import check_fits, prompt_ids
 from .config import CoordinatorConfig
 from .metrics import CoordinatorMetrics
+from .output import append_token, final_result, stream_chunks
 from .page_allocator import PageAllocator
 from .scheduler import Schedule, Scheduler
 from .sequence import Request, Sequence
-from .text import Detokenizer, TextCodec, find_stop
+from .text import Detokenizer, TextCodec
 from .worker_group import StartupError, WorkerGroup
 
 log = logging.getLogger("siding.coordinator")
@@ -236,21 +235,8 @@ class Engine:
                                f"request id {msg.request_id!r} is already in use")
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise RequestError(ErrorCode.OVERLOADED, "too many requests are queued")
-        prompt = self._prompt_ids(msg)
-        if any(t >= self.model.vocab_size for t in prompt):
-            raise RequestError(ErrorCode.INVALID_REQUEST,
-                               f"token ids must be below the vocabulary size "
-                               f"{self.model.vocab_size}")
-        ctx = self.model.max_context
-        if len(prompt) >= ctx:
-            raise RequestError(ErrorCode.TOO_LONG, f"the prompt has {len(prompt)} tokens; "
-                               f"the model's context is {ctx}")
-        need = self.scheduler.pages_for(min(len(prompt) + msg.max_tokens, ctx))
-        if need > self.config.kv_pages:
-            raise RequestError(
-                ErrorCode.TOO_LONG,
-                f"{len(prompt)} prompt tokens + max_tokens {msg.max_tokens} need {need} KV "
-                f"pages; the pool has {self.config.kv_pages}")
+        prompt = prompt_ids(msg, self.codec)
+        check_fits(prompt, msg, self.model, self.config.kv_pages, self.config.page_size)
         req = Request(id=msg.request_id, client=identity, params=msg, prompt_ids=prompt)
         seed = msg.seed if msg.seed is not None else secrets.randbits(62)
         for i in range(msg.n):
@@ -270,18 +256,6 @@ class Engine:
                 self.scheduler.add(seq)
         self.requests[(identity, msg.request_id)] = req
         self.metrics.prompt_tokens.inc(len(prompt) * msg.n)
-
-    def _prompt_ids(self, msg: Generate) -> list[int]:
-        if msg.prompt_token_ids is not None:
-            return list(msg.prompt_token_ids)
-        try:
-            if msg.messages is not None:
-                text = self.codec.render_chat([asdict(m) for m in msg.messages])
-                return self.codec.tokenizer.encode(text, add_special_tokens=False).ids
-            return self.codec.encode(msg.prompt)
-        except Exception as e:
-            raise RequestError(ErrorCode.INVALID_REQUEST,
-                               f"cannot tokenize the prompt: {e}") from None
 
     def _send(self, identity: bytes, msg) -> bool:
         """Send to a client; a client that is gone or not reading loses its requests."""
@@ -519,51 +493,20 @@ class Engine:
         req.last_token_time = now
 
     def _append(self, seq: Sequence, token: int) -> None:
-        p = seq.request.params
         self.metrics.generation_tokens.inc()
-        seq.token_ids.append(token)
-        stop_token = (token in self.codec.eos_ids and not p.ignore_eos) or \
-            token in p.stop_token_ids
-        if not stop_token:
-            searched = len(seq.text)
-            seq.text += seq.detok.push(token)
-            cut = find_stop(seq.text, p.stop, searched) if p.stop else None
-            if cut is not None:
-                seq.text = seq.text[:cut]
-                stop_token = True
-        if stop_token:
-            seq.finish_reason = "stop"
-        elif len(seq.generated) >= p.max_tokens or len(seq.token_ids) >= self.model.max_context:
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None:
+        if append_token(seq, token, self.codec.eos_ids, self.model.max_context):
             self.scheduler.remove(seq)
             self.to_free.append(seq.id)
 
     def _emit(self, req: Request) -> None:
         """Stream what is new, and send the result once every sequence has finished."""
         if req.params.stream:
-            hold = max((len(s) for s in req.params.stop), default=1) - 1
-            for seq in req.seqs:
-                done = seq.finish_reason is not None
-                new_tokens = seq.generated[seq.sent_tokens:]
-                if seq.final_sent or not (new_tokens or done):
-                    continue
-                upto = len(seq.text) if done else max(seq.sent_text, len(seq.text) - hold)
-                chunk = Chunk(request_id=req.id, index=seq.index, token_ids=new_tokens,
-                              text=seq.text[seq.sent_text:upto], finish_reason=seq.finish_reason)
-                seq.sent_tokens, seq.sent_text, seq.final_sent = len(seq.generated), upto, done
+            for chunk in stream_chunks(req):
                 req.last_keepalive = time.monotonic()
                 if not self._send(req.client, chunk):
                     return
         if req.finished:
-            self._send(req.client, Result(
-                request_id=req.id, prompt_token_ids=req.prompt_ids,
-                choices=[Choice(index=s.index, token_ids=s.generated, text=s.text,
-                                finish_reason=s.finish_reason, preemptions=s.preemptions)
-                         for s in req.seqs],
-                usage=Usage(prompt_tokens=len(req.prompt_ids),
-                            completion_tokens=sum(len(s.generated) for s in req.seqs)),
-            ))
+            self._send(req.client, final_result(req))
             self._finish_request(req)
 
     def _finish_request(self, req: Request, notify: bool = True) -> None:

@@ -1,0 +1,42 @@
+"""What a request must pass before it is queued: a tokenizable prompt, ids the model knows, and
+a size that can ever fit the model's context and the KV pool."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from protocol.errors import ErrorCode, RequestError
+from protocol.messages import Generate, ModelInfo
+
+from .text import TextCodec
+
+
+def prompt_ids(msg: Generate, codec: TextCodec) -> list[int]:
+    if msg.prompt_token_ids is not None:
+        return list(msg.prompt_token_ids)
+    try:
+        if msg.messages is not None:
+            text = codec.render_chat([asdict(m) for m in msg.messages])
+            return codec.tokenizer.encode(text, add_special_tokens=False).ids
+        return codec.encode(msg.prompt)
+    except Exception as e:  # a template or tokenizer error is the request's fault
+        raise RequestError(ErrorCode.INVALID_REQUEST,
+                           f"cannot tokenize the prompt: {e}") from None
+
+
+def check_fits(prompt: list[int], msg: Generate, model: ModelInfo, kv_pages: int,
+               page_size: int) -> None:
+    """`too_long` for a request that can never run, whatever else is running."""
+    if any(t >= model.vocab_size for t in prompt):
+        raise RequestError(ErrorCode.INVALID_REQUEST,
+                           f"token ids must be below the vocabulary size {model.vocab_size}")
+    ctx = model.max_context
+    if len(prompt) >= ctx:
+        raise RequestError(ErrorCode.TOO_LONG, f"the prompt has {len(prompt)} tokens; "
+                           f"the model's context is {ctx}")
+    need = -(-min(len(prompt) + msg.max_tokens, ctx) // page_size)
+    if need > kv_pages:
+        raise RequestError(
+            ErrorCode.TOO_LONG,
+            f"{len(prompt)} prompt tokens + max_tokens {msg.max_tokens} need {need} KV "
+            f"pages; the pool has {kv_pages}")
