@@ -1,8 +1,10 @@
 """Batch-invariant kernels for CUDA, in Triton: each row's bits depend on that row alone.
 
 - `linear`: one tile configuration for every launch (BLOCK_M x BLOCK_N output tiles, the K loop
-  in BLOCK_K steps from 0 up, no split-K), so a row meets the same instructions in the same
-  order whatever the row count; padded rows load zeros and only feed rows that are dropped.
+  in BLOCK_K steps), so a row meets the same instructions in the same order whatever the row
+  count; padded rows load zeros and only feed rows that are dropped. K is split (partial sums
+  added in split order) by a count chosen from the weight's shape and the GPU, never from the
+  row count, so that one decode row still keeps every SM streaming weights.
 - `rms_norm`: one program per row, the whole row in one block, one fixed reduction tree
   (torch's CUDA reduction picks its thread layout from the tensor's shape).
 - `paged_attention`: one program per (query row, head, split of SPLIT key positions). A program
@@ -17,6 +19,8 @@ Triton.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -28,22 +32,48 @@ BLOCK_KV = 32  # key positions per tile inside a split; divides SPLIT
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # out[M, N] = x[M, K] @ w[N, K].T, accumulated in float32
+def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
+                   stride_os, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    # out[s, M, N] = x[M, Ks] @ w[N, Ks].T over split s of K (Ks = [s * K_SPLIT, ...)), in
+    # float32; with one split, out is the [M, N] result in the output dtype
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_end = tl.minimum(K, (split + 1) * K_SPLIT)
+    for k0 in range(split * K_SPLIT, k_end, BLOCK_K):
         kk = k0 + rk
         x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+                    mask=(rm[:, None] < M) & (kk[None, :] < k_end), other=0.0)
         w = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + kk[:, None],
-                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+                    mask=(rn[None, :] < N) & (kk[:, None] < k_end), other=0.0)
         acc = tl.dot(x, w, acc)
-    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(out_ptr + split.to(tl.int64) * stride_os + rm[:, None].to(tl.int64) * stride_om
+             + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["MN"])
+def _sum_splits_kernel(parts_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    # out[i] = parts[0, i] + parts[1, i] + ..., in this order
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(parts_ptr + s * MN + i, mask=i < MN, other=0.0)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=i < MN)
+
+
+@functools.cache
+def _k_splits(n: int, k: int, device: torch.device) -> int:
+    """Splits of K for a weight [n, k]: enough programs to fill the GPU at one row. A property of
+    the weight and the device, never of the row count, so every row sums in the same order."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    tiles = triton.cdiv(n, BLOCK_N)
+    if 2 * tiles >= sms:  # one launch more (the sum) costs more than it gains
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, tiles), k // 1024))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -52,11 +82,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     weight = weight.contiguous()
     (m, k), n = rows.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    splits = _k_splits(n, k, x.device)
+    k_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
     if m:
-        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-        _linear_kernel[grid](rows, weight, out, m, n, k, rows.stride(0), weight.stride(0),
-                             out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                             num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES)
+        parts = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32,
+                                                    device=x.device)
+        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), splits)
+        _linear_kernel[grid](rows, weight, parts, m, n, k, k_split, rows.stride(0),
+                             weight.stride(0), n, m * n, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                             BLOCK_K=BLOCK_K, num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES)
+        if splits > 1:
+            _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](parts, out, m * n, SPLITS=splits,
+                                                            BLOCK=1024)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], n)

