@@ -33,6 +33,9 @@ def apply_exact(stage: StageModel, device: torch.device | str) -> None:
             exact_cpu.check_row_invariance(w)
         linear, norm = exact_cpu.linear, None
     elif device.type == "cuda":
+        head_dim = stage.args.head_dim
+        if head_dim & (head_dim - 1):
+            raise ValueError(f"exact mode on CUDA needs a power-of-two head size, not {head_dim}")
         exact_triton = _triton()
         linear, norm = exact_triton.linear, exact_triton.rms_norm
     else:
