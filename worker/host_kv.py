@@ -7,7 +7,10 @@ KVH, D], keeps one layer's K and V of a run of pages in one block: a run is one 
 
 A step:
 - `begin_step` packs the batch's pages into the window and renumbers the step's page tables and
-  write pages into the slot, once (never per layer);
+  write pages into the slot, once (never per layer); when the batch continues the last step's
+  on the same pages, the ring's first layers were already delivered during the last step
+  (primed), and only lack the last step's rows, which each of those layers writes in from the
+  device before its own;
 - each layer's `attend` takes its slot from the ring, writes the step's new rows into it,
   attends over it with the same paged attention as the device pool, and releases it;
 - `end_step` copies every layer's new rows back in one device-to-host copy on the transfer
@@ -83,6 +86,13 @@ class HostKVPool:
         self.meta: BatchMeta | None = None  # the step's metadata, renumbered into the slot
         self.step: BatchMeta | None = None  # the step's metadata as the runner built it
         self.rows: list[torch.Tensor] = []  # k, v of each layer so far: [T, KVH, D] each
+        self.primed = 0  # leading layers whose slots came primed from the last step
+        # what those slots lack: the last step's rows [L, 2, T, KVH, D] on the device, and
+        # where they go in the slot (pages, offsets)
+        self.patch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._batch: tuple | None = None  # (seq ids, pages used, context lengths) of this step
+        self._prev: tuple | None = None  # the same, of the last step that completed
         self._write: tuple[torch.Tensor, torch.Tensor] | None = None  # host (pages, offsets)
         self._writeback: tuple[torch.Tensor, ...] | None = None  # in flight until settle
         self._open = False  # a step began and has not been settled
@@ -106,10 +116,10 @@ class HostKVPool:
             self._writeback = None
         self._open = False
 
-    def begin_step(self, meta: BatchMeta, tables: list[list[int]]) -> None:
+    def begin_step(self, meta: BatchMeta, tables: dict[int, list[int]]) -> None:
         self.settle()
         p = self.page_size
-        used = [t[: -(-c // p)] for t, c in zip(tables, meta.context_lens)]
+        used = [t[: -(-c // p)] for t, c in zip(tables.values(), meta.context_lens)]
         runs = pack(sorted(set(chain.from_iterable(used))), self.bridge)
         where: dict[int, int] = {}
         for start, count, off in runs:
@@ -127,7 +137,24 @@ class HostKVPool:
         self._write = (torch.tensor(pages), torch.tensor(offsets))
         self.rows = []
         self._open = True
-        self.ring.begin_step(runs)
+        self._batch = (tuple(tables), used, meta.context_lens)
+        reuse = self._continues(meta)
+        self._prev = None  # until this step completes
+        self.primed = self.ring.begin_step(runs, reuse, prime_next=meta.decode_only)
+        self.patch = self._last if self.primed else None
+
+    def _continues(self, meta: BatchMeta) -> bool:
+        """Whether this step's batch is the last one's, each sequence going on from where it
+        stopped on the pages it had (new pages after them are fine: every position of theirs
+        that is read is written this step). Then no byte the last step primed has changed."""
+        if self._prev is None:
+            return False
+        ids, used, _ = self._batch
+        last_ids, last_used, last_lens = self._prev
+        starts = [c - (meta.query_starts[b + 1] - meta.query_starts[b])
+                  for b, c in enumerate(meta.context_lens)]
+        return ids == last_ids and all(s == c and u[: len(lu)] == lu
+                                       for s, c, u, lu in zip(starts, last_lens, used, last_used))
 
     def end_step(self) -> None:
         assert len(self.rows) == 2 * len(self.layers), "end_step before every layer attended"
@@ -142,6 +169,8 @@ class HostKVPool:
             self.transport.copy([(host, rows)], after=self._wb_event)
         # rows stays referenced until settle: the copy may still be reading it
         self._writeback = (host, rows, *self._write)
+        self._last = (rows, self.meta.write_pages, self.meta.write_offsets)
+        self._prev = self._batch
         self.ring.count("writeback", rows.nbytes, 1)
         self.ring.end_step()
 
@@ -168,6 +197,10 @@ class HostLayerView:
         assert meta is pool.step, "attend outside the step begun with begin_step"
         sm = pool.meta
         k_slot, v_slot = pool.ring.acquire(self.layer)  # [n, page, KVH, D] each
+        if self.layer < pool.primed:
+            rows, pages, offsets = pool.patch
+            k_slot[pages, offsets] = rows[self.layer, 0]
+            v_slot[pages, offsets] = rows[self.layer, 1]
         k, v = k.to(k_slot.dtype), v.to(v_slot.dtype)
         k_slot[sm.write_pages, sm.write_offsets] = k
         v_slot[sm.write_pages, sm.write_offsets] = v

@@ -40,8 +40,9 @@ class KVPool:
     def settle(self) -> None:
         """Before the host touches the pool's pages (park, restore, copies)."""
 
-    def begin_step(self, meta: BatchMeta, tables: list[list[int]]) -> None:
-        """Before the step's forward pass; tables: each sequence's page ids, logical order."""
+    def begin_step(self, meta: BatchMeta, tables: dict[int, list[int]]) -> None:
+        """Before the step's forward pass; tables: sequence id -> its page ids, logical order,
+        in the batch's order."""
 
     def end_step(self) -> None:
         """After the step's forward pass is enqueued."""

@@ -93,7 +93,7 @@ class ModelRunner:
             inputs = torch.tensor(plan.token_ids, dtype=torch.int64, device=self.device)
         else:
             inputs = hidden
-        self.pool.begin_step(meta, [self.tables[s.id] for s in plan.seqs])
+        self.pool.begin_step(meta, {s.id: self.tables[s.id] for s in plan.seqs})
         out = self.stage(inputs, meta.positions, self.pool.layers, meta)
         self.pool.end_step()
         return out

@@ -13,7 +13,11 @@ Ring path, for layer l and m = l + depth (issued once layer l's attention is enq
 
 With depth + 2 slots, layer m recycles the slot of layer l - 2, so a delivery never queues
 behind the layer just enqueued or the one before it, which a device may still be running.
-Recycling is ordered stream to stream; the host never blocks on a slot.
+Recycling is ordered stream to stream; the host never blocks on a slot. Slots are numbered across
+steps, so the deliveries past the last layer can be the next step's first layers (priming): for
+the same window, issued during this step's last layers, used if the next step's batch continues
+this one on the same pages (the caller writes this step's rows, which the host did not have yet,
+into those slots).
 
 Ordered path (depth 0, or a declined step): copy then attend, one slot, on the compute side.
 A step declines when its ring would pass the budget or its device lacks headroom for it, for
@@ -67,6 +71,7 @@ class RingStats:
     declines: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DECLINE_REASONS, 0))
     ring_steps: int = 0
     ordered_steps: int = 0
+    primed_steps: int = 0  # ring steps whose first layers were delivered during the last step
     wait_seconds: float = 0.0
     reallocations: int = 0
 
@@ -95,6 +100,12 @@ class StagingRing:
         self.ready = [transport.event() for _ in range(self.n_slots)] if events else []
         self.release = [transport.event() for _ in range(self.n_slots)] if events else []
         self.ahead = False
+        self.prime_next = False
+        self.primed: list[Run] | None = None  # the window the next step's first layers hold
+        # Slots are numbered across steps (layer l of a step takes slot (base + l) % n_slots), so
+        # a layer primed for the next step follows the same ring order as any other delivery.
+        self.base = 0
+        self._windows = 0  # layer windows moved this step
         self.runs: list[Run] = []
         self.n = 0
         self.slots: list[torch.Tensor] = []
@@ -106,21 +117,36 @@ class StagingRing:
 
     # ---- per step ---------------------------------------------------------------------------
 
-    def begin_step(self, runs: list[Run]) -> None:
-        """Stage a step whose window is `runs`; on the ring path, deliver the first layers."""
+    def begin_step(self, runs: list[Run], reuse: bool = False, prime_next: bool = False) -> int:
+        """Stage a step whose window is `runs`; on the ring path, deliver the first layers.
+
+        reuse: the caller vouches that the bytes primed during the last step are still this
+        step's (same sequences, continuing, same pages); they are used if the window is the
+        same too. prime_next: deliver the next step's first layers, for the same window, during
+        this step's last ones. Returns how many leading layers come from the primed bytes (their
+        slots lack the last step's rows, which the caller writes in)."""
+        primed = reuse and self.primed == runs
+        self.primed = None
+        self._windows = 0
         self.runs = runs
         self.n = n = runs[-1][1] + runs[-1][2]
         self.ahead = self._take_ring()
         slots = self.n_slots if self.ahead else 1
+        moved = self.stats.reallocations
         self._fit(n * slots)
+        primed = primed and self.ahead and moved == self.stats.reallocations
         self.slots = [self.buf[i * n:(i + 1) * n] for i in range(slots)]
         self.kv = [(s[:, 0], s[:, 1]) for s in self.slots]
-        if self.ahead:
-            self.stats.ring_steps += 1
-            for m in range(min(self.depth, self.n_layers)):
-                self._deliver(m)
-        else:
+        self.prime_next = prime_next and self.ahead and self.depth < self.n_layers
+        if not self.ahead:
             self.stats.ordered_steps += 1
+            return 0
+        self.stats.ring_steps += 1
+        self.stats.primed_steps += primed
+        first = self.depth if primed else 0  # only a depth below n_layers is ever primed
+        for m in range(first, min(self.depth, self.n_layers)):
+            self._deliver(m)
+        return first
 
     def acquire(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s window in its slot, once it has landed: (k, v) [n, page, KVH, D]."""
@@ -128,22 +154,28 @@ class StagingRing:
             slot, host = self.slots[0], self.host[layer]
             for start, count, off in self.runs:
                 slot[off:off + count].copy_(host[start:start + count], non_blocking=True)
+            self._windows += 1
             return self.kv[0]
-        s = layer % self.n_slots
+        s = (self.base + layer) % self.n_slots
         self.transport.wait(self.ready[s])
         return self.kv[s]
 
     def release_slot(self, layer: int) -> None:
-        """Layer `layer`'s attention is enqueued: free its slot, deliver layer + depth."""
+        """Layer `layer`'s attention is enqueued: free its slot, deliver layer + depth (past the
+        last layer: the next step's layer, when priming)."""
         if self.ahead:
-            self.transport.record(self.release[layer % self.n_slots])
-            if layer + self.depth < self.n_layers:
-                self._deliver(layer + self.depth)
+            self.transport.record(self.release[(self.base + layer) % self.n_slots])
+            m = layer + self.depth
+            if m < self.n_layers or self.prime_next:
+                self._deliver(m)
+                self.primed = self.runs if m >= self.n_layers else None
 
     def end_step(self) -> None:
         path = "ahead" if self.ahead else "ordered"
-        self.count(path, self.n_layers * self.n * self.page_bytes,
-                   self.n_layers * len(self.runs))
+        self.count(path, self._windows * self.n * self.page_bytes, self._windows * len(self.runs))
+        self._windows = 0
+        if self.ahead:
+            self.base = (self.base + self.n_layers) % self.n_slots
         if self.metrics is not None:
             self.metrics.ring(self.capacity * self.page_bytes, self.n_slots if self.ahead else 0)
 
@@ -166,8 +198,10 @@ class StagingRing:
     # ---- internals --------------------------------------------------------------------------
 
     def _deliver(self, m: int) -> None:
-        s = m % self.n_slots
-        slot, host = self.slots[s], self.host[m]
+        """Layer m of this step into its slot (m >= n_layers: layer m - n_layers of the next)."""
+        s = (self.base + m) % self.n_slots
+        slot, host = self.slots[s], self.host[m % self.n_layers]
+        self._windows += 1
         self.transport.copy(
             [(slot[off:off + count], host[start:start + count]) for start, count, off in self.runs],
             after=self.release[s], then=self.ready[s],

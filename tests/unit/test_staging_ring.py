@@ -46,7 +46,7 @@ def run_step(pool, chunk, tables, seed: int, heads: int = H,
                       [tables[i] for i in ids], [True] * len(ids), pool.page_size, device)
     g = torch.Generator().manual_seed(seed)
     t, (kvh, d), dtype = len(meta.positions), pool.k.shape[-2:], pool.k.dtype
-    pool.begin_step(meta, [tables[i] for i in ids])
+    pool.begin_step(meta, {i: tables[i] for i in ids})
     outs = []
     for layer in pool.layers:
         q, k, v = (torch.randn(t, h, d, generator=g).to(device, dtype) for h in (heads, kvh, kvh))
@@ -100,6 +100,7 @@ def test_host_pool_matches_device_pool_bit_for_bit_with_delayed_copies(depth, ex
     tables, steps = random_schedule(random.Random(depth), device.n_pages)
     assert_same_run(device, host, tables, steps)
     assert host.ring.stats.ring_steps == (len(steps) if depth else 0)
+    assert (host.ring.stats.primed_steps > 0) == (0 < depth < LAYERS)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -120,8 +121,10 @@ def test_a_missing_ready_wait_is_exposed_by_delayed_copies():
 
 
 class CheckedTransport(CpuTransport):
-    """Checks the ring's event protocol as it is issued: a slot is refilled only after its last
-    fill was read and released, read only after a fill, and never more than `depth` ahead."""
+    """Checks the ring's event protocol as it is issued. A slot goes filled -> read -> released
+    -> filled ...: a fill waits for the slot's release event and needs every read of the slot
+    released (a fill nobody read, a discarded prime, may be filled over); a read needs a fill;
+    no more than `depth` fills are unread at any time."""
 
     def __init__(self, delay_ms: float = 0.0):
         super().__init__(delay_ms)
@@ -134,31 +137,32 @@ class CheckedTransport(CpuTransport):
 
     def start(self, ring) -> None:
         self.ring = ring
-        n = ring.n_slots
-        self.fills, self.reads, self.released = [0] * n, [0] * n, [0] * n
+        self.state = ["released"] * ring.n_slots
+        self.reads = 0
 
     def copy(self, pairs, after=None, then=None):
         s = self._slot(then, "ready")
         if s is not None:
             assert after is self.ring.release[s], "a refill must wait for its slot's release"
-            assert self.fills[s] == self.reads[s] == self.released[s], f"slot {s} still in use"
-            self.fills[s] += 1
-            ahead = sum(f - r for f, r in zip(self.fills, self.reads))
+            assert self.state[s] in ("released", "filled"), f"slot {s} refilled while read"
+            self.state[s] = "filled"
+            ahead = self.state.count("filled")
             assert ahead <= self.ring.depth, f"{ahead} layers in flight, depth {self.ring.depth}"
         super().copy(pairs, after, then)
 
     def wait(self, ev):
         s = self._slot(ev, "ready")
         assert s is not None, "the compute side waits only on ready events"
-        self.reads[s] += 1
-        assert self.reads[s] == self.fills[s], f"slot {s} read without a fill"
+        assert self.state[s] == "filled", f"slot {s} read without a fill"
+        self.state[s] = "read"
+        self.reads += 1
         super().wait(ev)
 
     def record(self, ev):
         s = self._slot(ev, "release")
         if s is not None:
-            self.released[s] += 1
-            assert self.released[s] == self.reads[s], f"slot {s} released before it was read"
+            assert self.state[s] == "read", f"slot {s} released before it was read"
+            self.state[s] = "released"
         super().record(ev)
 
     def synchronize(self):
@@ -176,9 +180,34 @@ def test_slots_are_recycled_stream_to_stream_only_after_release(depth):
     tables, steps = random_schedule(random.Random(depth), 64)
     assert_same_run(device, host, tables, steps)
     assert host.ring.n_slots == min(depth + 2, LAYERS)
-    assert sum(transport.reads) == LAYERS * len(steps)
+    assert transport.reads == LAYERS * len(steps)
     # the host blocks once a step, to land the write-back, never for a slot
     assert transport.syncs == len(steps)
+    assert (host.ring.stats.primed_steps > 0) == (depth < LAYERS)
+
+
+def test_decode_steps_take_their_first_layers_primed_by_the_step_before():
+    device, host = pools(depth=2, delay_ms=1.0)
+    tables = {0: [3, 4, 5], 1: [9, 10]}
+    steps = [[(0, 0, 9), (1, 0, 5)]] + [[(0, 9 + i, 1), (1, 5 + i, 1)] for i in range(3)]
+    assert_same_run(device, host, tables, steps)
+    # the prefill primes nothing; each decode step primes the next
+    assert host.ring.stats.primed_steps == 2
+
+
+def test_primed_bytes_are_dropped_when_sequences_move_within_the_same_pages():
+    """Two sequences swap pages between steps (as a park and restore in one plan can do): the
+    window is the same, but what the last step primed is not this step's."""
+    device, host = pools(depth=2, delay_ms=1.0)
+    tables = {0: [3, 4], 1: [5, 6]}
+    assert_same_run(device, host, tables, [[(0, 0, 6), (1, 0, 6)], [(0, 6, 1), (1, 6, 1)]])
+    for pool in (device, host):
+        pool.settle()
+        for t in (pool.k, pool.v):
+            t[:, [3, 4, 5, 6]] = t[:, [5, 6, 3, 4]].clone()
+    primed = host.ring.stats.primed_steps
+    assert_same_run(device, host, {0: [5, 6], 1: [3, 4]}, [[(0, 7, 1), (1, 7, 1)]])
+    assert host.ring.stats.primed_steps == primed
 
 
 BIG = (4, 16, 2, 64)  # 16 KiB a page and layer: a 1 MiB ring holds 64 pages, 21 a slot of 3
