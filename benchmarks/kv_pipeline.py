@@ -184,7 +184,7 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread) -> di
             copies = sum(s.copies[p] for p in ("ahead", "ordered"))
             rec.update(ring_bytes=ring.capacity * ring.page_bytes, ring_slots=ring.n_slots,
                        declines=dict(s.declines), ring_steps=s.ring_steps,
-                       ordered_steps=s.ordered_steps,
+                       ordered_steps=s.ordered_steps, primed_steps=s.primed_steps,
                        bytes_per_copy=sum(s.bytes[p] for p in ("ahead", "ordered")) / copies,
                        wait_s_per_step=s.wait_seconds / arm.steps)
         out["arms"][arm.name] = rec
@@ -193,12 +193,12 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread) -> di
 
 def table(points: list[dict[str, Any]], link: Spread) -> str:
     headers = ["context", "arm", "ms/step", "tok/s", "x ordered", "of ceiling", "eff GB/s",
-               "of link", "MiB/copy", "ring MiB", "declines", "wait ms"]
+               "of link", "MiB/copy", "ring MiB", "declines", "primed", "wait ms"]
     rows = []
     for p in points:
         rows.append([p["context"], "copy alone", p["copy_s"].text(1e3, 2), "", "", "",
                      f"{p['copy_bytes_per_s'] / 1e9:.1f}", f"{p['copy_of_link']:.2f}", "", "",
-                     "", ""])
+                     "", "", ""])
         for name, r in p["arms"].items():
             ring = "ring_bytes" in r
             rows.append([
@@ -209,6 +209,8 @@ def table(points: list[dict[str, Any]], link: Spread) -> str:
                 f"{r['bytes_per_copy'] / 2**20:.2f}" if ring else "",
                 f"{r['ring_bytes'] / 2**20:.0f}" if ring else "",
                 sum(r["declines"].values()) if ring else "",
+                f"{r['primed_steps'] / (r['ring_steps'] + r['ordered_steps']):.2f}"
+                if ring else "",
                 f"{r['wait_s_per_step'] * 1e3:.2f}" if ring else "",
             ])
     return format_table(headers, rows)

@@ -1,7 +1,7 @@
 """`--kv host` gives the same token ids as `--kv device` at every pipeline depth, on one and two
 workers, with every transfer copy delayed (SIDING_TRANSPORT_DELAY_MS, which the launched cluster
-inherits), and in exact mode for a crowd of concurrent requests; its workers export the ring's
-transfers and declines."""
+inherits), with sequences parked and restored between steps, and in exact mode for a crowd of
+concurrent requests; its workers export the ring's transfers and declines."""
 
 from __future__ import annotations
 
@@ -46,15 +46,15 @@ def crowd(endpoint: str) -> list[list[int]]:
     return asyncio.run(run())
 
 
-def worker_metrics(port: int) -> dict[tuple[str, str], float]:
-    """(sample name, label that tells its series apart) -> value, for the ring's series."""
+def scrape(port: int) -> dict[tuple[str, str], float]:
+    """(sample name, the label that tells its series apart) -> value."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
     values = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name.startswith(("siding_transfer", "siding_ring")):
-                values[s.name, s.labels.get("path") or s.labels.get("reason", "")] = s.value
+            label = next((s.labels[k] for k in ("path", "reason", "action") if k in s.labels), "")
+            values[s.name, label] = s.value
     return values
 
 
@@ -66,22 +66,24 @@ def reference(launch) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("depth,workers,delay_ms,budget_mib", [
-    (0, 1, 0, 512),
-    (1, 2, 0, 512),
-    (2, 1, 2, 1),
-    (4, 2, 2, 512),
+@pytest.mark.parametrize("depth,workers,delay_ms,budget_mib,preempt", [
+    (0, 1, 0, 512, 0),
+    (1, 2, 0, 512, 0),
+    (2, 1, 2, 1, 0),
+    (4, 2, 2, 512, 2),  # every 2 decode steps, every sequence parked and restored elsewhere
 ])
 def test_host_kv_tokens_match_device_kv(launch, reference, monkeypatch, depth, workers,
-                                        delay_ms, budget_mib):
+                                        delay_ms, budget_mib, preempt):
     if delay_ms:
         monkeypatch.setenv(DELAY_ENV, str(delay_ms))
     port = free_metrics_port(workers)
     c = launch(*MODEL, "--kv", "host", "--pipeline-depth", str(depth), "--workers",
-               str(workers), "--ring-budget-mib", str(budget_mib), "--metrics-port", str(port))
+               str(workers), "--ring-budget-mib", str(budget_mib), "--metrics-port", str(port),
+               "--preempt-every", str(preempt))
     assert outputs(c.endpoint) == reference
+    assert (scrape(port)["siding_preemptions_total", "park"] > 0) == bool(preempt)
     for p in worker_ports(port, workers):
-        m = worker_metrics(p)
+        m = scrape(p)
         assert m["siding_transfer_bytes_total", "writeback"] > 0
         ahead, ordered = (m["siding_transfer_bytes_total", path] for path in ("ahead", "ordered"))
         declined = m["siding_ring_declines_total", "budget"]
