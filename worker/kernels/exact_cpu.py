@@ -92,8 +92,9 @@ def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
 
 
 def _gather(k_pool, v_pool, meta, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of `seqs` in logical order: [B, L, KVH, D], L a multiple of SPLIT, zero
-    past each sequence's context so that padding contributes exact zeros."""
+    """Keys and values of `seqs` in logical order: [B, L, KVH, D], L a multiple of SPLIT. Values
+    past each sequence's context are zeroed, so that whatever those pages hold (another
+    sequence's rows) meets only zero weights; scores there are masked whatever the keys."""
     length = _round_up(max(meta.context_lens[b] for b in seqs), SPLIT)
     n_pages = -(-length // k_pool.shape[1])
     tables = torch.zeros(len(seqs), n_pages, dtype=torch.int64, device=k_pool.device)
@@ -101,7 +102,7 @@ def _gather(k_pool, v_pool, meta, seqs: list[int]) -> tuple[torch.Tensor, torch.
         tables[i, : meta.page_tables[b].numel()] = meta.page_tables[b]
     lens = torch.tensor([meta.context_lens[b] for b in seqs], device=k_pool.device)
     past = torch.arange(length, device=k_pool.device)[None, :] >= lens[:, None]  # [B, L]
-    k = k_pool[tables].flatten(1, 2)[:, :length].masked_fill(past[:, :, None, None], 0)
+    k = k_pool[tables].flatten(1, 2)[:, :length]
     v = v_pool[tables].flatten(1, 2)[:, :length].masked_fill(past[:, :, None, None], 0)
     return k, v
 
