@@ -183,15 +183,26 @@ def _attention_combine_kernel(m_ptr, l_ptr, o_ptr, row_pos_ptr, out_ptr, stride_
              (acc / l_sum).to(out_ptr.dtype.element_ty))
 
 
+def _step_tables(meta) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequence of each row [T] and the page tables padded to [B, max pages]: built once a
+    step and kept on its meta, since every layer's launch reads the same."""
+    if not hasattr(meta, "_exact_tables"):
+        dev = meta.positions.device
+        counts = torch.tensor(
+            [hi - lo for lo, hi in zip(meta.query_starts, meta.query_starts[1:])], device=dev)
+        meta._exact_tables = (
+            torch.repeat_interleave(torch.arange(meta.n_seqs, device=dev), counts),
+            torch.nn.utils.rnn.pad_sequence(meta.page_tables, batch_first=True),
+        )
+    return meta._exact_tables
+
+
 def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
     """Same contract as `worker.attention.paged_attention`; q: [T, H, D], D a power of two."""
     t, h, d = q.shape
     q = q.contiguous()
     dev = q.device
-    counts = [hi - lo for lo, hi in zip(meta.query_starts, meta.query_starts[1:])]
-    row_seq = torch.repeat_interleave(torch.arange(meta.n_seqs, device=dev),
-                                      torch.tensor(counts, device=dev))
-    tables = torch.nn.utils.rnn.pad_sequence(meta.page_tables, batch_first=True)
+    row_seq, tables = _step_tables(meta)
     max_splits = triton.cdiv(max(meta.context_lens), SPLIT)
     m = torch.empty(t, h, max_splits, dtype=torch.float32, device=dev)
     l_split = torch.empty_like(m)
