@@ -7,11 +7,14 @@
   row count, so that one decode row still keeps every SM streaming weights.
 - `rms_norm`: one program per row, the whole row in one block, one fixed reduction tree
   (torch's CUDA reduction picks its thread layout from the tensor's shape).
-- `paged_attention`: one program per (query row, head, split of SPLIT key positions). A program
-  walks its sequence's page table in logical order, BLOCK_KV keys at a time, with an online
-  softmax; a second kernel combines a row's splits in order. Tiles and splits are aligned to
-  absolute positions and stop at the row's own position, so neither the query count, the
-  context of the launch, nor the physical pages change a bit.
+- `paged_attention`: one program per (block of query positions of one sequence, KV head, split
+  of SPLIT key positions); its tile rows are (position, query head) pairs, so tensor cores do
+  both products, and a tensor-core row's result depends on that row alone. A program walks the
+  sequence's page table in logical order, BLOCK_KV keys at a time, with an online softmax; a
+  second kernel combines a row's splits in order. Tiles and splits are aligned to absolute
+  positions, and tiles past a row's position leave its state exactly unchanged, so neither the
+  query count, the context of the launch, nor the physical pages change a bit: a decode row is
+  a block of one position and gets the bits it gets inside a prompt chunk.
 
 Imported only when exact mode runs on CUDA (`worker/exact.py`), so CPU installs never need
 Triton.
@@ -29,6 +32,7 @@ BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 MATMUL_WARPS, MATMUL_STAGES = 4, 3
 SPLIT = 256  # key positions per attention split
 BLOCK_KV = 32  # key positions per tile inside a split; divides SPLIT
+BLOCK_ROWS = 64  # (query position, head) rows per attention program
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -125,41 +129,55 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["max_splits"])
 def _attention_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, row_seq_ptr, row_pos_ptr, m_ptr, l_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, tables_ptr, blocks_ptr, pos_ptr, m_ptr, l_ptr, o_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_tb, page_size, max_splits,
-    scale, H: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_KV: tl.constexpr,
+    scale, H: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr, BLOCK_P: tl.constexpr,
+    D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr,
 ):
-    t, h, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    pos = tl.load(row_pos_ptr + t)  # this row attends keys [0, pos]
+    # One program: up to BLOCK_P query positions of one sequence (a block) x the REP query heads
+    # of one KV head, over split j of the keys. Tile rows are (position, head) pairs.
+    qb, kvh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b = tl.load(blocks_ptr + 3 * qb).to(tl.int64)
+    row0 = tl.load(blocks_ptr + 3 * qb + 1)
+    n = tl.load(blocks_ptr + 3 * qb + 2)
+    r = tl.arange(0, BLOCK_P * REP_P2)
+    valid = (r // REP_P2 < n) & (r % REP_P2 < REP)
+    t = (row0 + r // REP_P2).to(tl.int64)
+    h = kvh * REP + r % REP_P2
+    pos = tl.load(pos_ptr + t, mask=valid, other=-1)  # row i attends keys [0, pos[i]]
+    last = tl.max(pos, axis=0)
     start = j * SPLIT
-    if start <= pos:
-        b = tl.load(row_seq_ptr + t).to(tl.int64)
+    if start <= last:
         d = tl.arange(0, D)
-        q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + h * stride_qh + d).to(tl.float32)
-        m_i = tl.full((), float("-inf"), tl.float32)
-        l_i = tl.zeros((), tl.float32)
-        acc = tl.zeros((D,), tl.float32)
-        for s0 in range(start, tl.minimum(start + SPLIT, pos + 1), BLOCK_KV):
+        q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                    mask=valid[:, None], other=0.0)
+        m_i = tl.full((BLOCK_P * REP_P2,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_P * REP_P2,), tl.float32)
+        acc = tl.zeros((BLOCK_P * REP_P2, D), tl.float32)
+        # Tiles past a row's own position are wholly masked for it and leave its state exactly
+        # as it was (alpha = 1, p = 0), so a row gets the bits it gets alone in a block of one.
+        for s0 in range(start, tl.minimum(start + SPLIT, last + 1), BLOCK_KV):
             offs = s0 + tl.arange(0, BLOCK_KV)
-            valid = offs <= pos
-            page = tl.load(tables_ptr + b * stride_tb + offs // page_size, mask=valid, other=0)
+            page = tl.load(tables_ptr + b * stride_tb + offs // page_size, mask=offs <= last,
+                           other=0)
             base = page.to(tl.int64) * stride_kp + (offs % page_size) * stride_ks \
-                + (h // REP) * stride_kh
-            k = tl.load(k_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale  # [BLOCK_KV]
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: a tile's first key is visible
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new)
-            v = tl.load(v_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+                + kvh * stride_kh
+            kv_mask = (offs <= last)[:, None]
+            k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            seen = offs[None, :] <= pos[:, None]  # [rows, BLOCK_KV]
+            s = tl.where(seen, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m_i - m_new))
+            p = tl.where(seen, tl.exp(s - m_new[:, None]), 0.0)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        idx = (t.to(tl.int64) * H + h) * max_splits + j
-        tl.store(m_ptr + idx, m_i)
-        tl.store(l_ptr + idx, l_i)
-        tl.store(o_ptr + idx * D + d, acc)
+        idx = (t * H + h) * max_splits + j
+        keep = valid & (pos >= start)
+        tl.store(m_ptr + idx, m_i, mask=keep)
+        tl.store(l_ptr + idx, l_i, mask=keep)
+        tl.store(o_ptr + idx[:, None] * D + d[None, :], acc, mask=keep[:, None])
 
 
 @triton.jit(do_not_specialize=["max_splits"])
@@ -183,18 +201,19 @@ def _attention_combine_kernel(m_ptr, l_ptr, o_ptr, row_pos_ptr, out_ptr, stride_
              (acc / l_sum).to(out_ptr.dtype.element_ty))
 
 
-def _step_tables(meta) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sequence of each row [T] and the page tables padded to [B, max pages]: built once a
-    step and kept on its meta, since every layer's launch reads the same."""
-    if not hasattr(meta, "_exact_tables"):
+def _step_blocks(meta, block_p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of at most `block_p` rows of one sequence, [n_blocks, 3] (sequence, first row,
+    rows), and the page tables padded to [B, max pages]: built once a step and kept on its
+    meta, since every layer's launches read the same."""
+    cache = meta.__dict__.setdefault("_exact_blocks", {})
+    if block_p not in cache:
+        starts = meta.query_starts
+        blocks = [(b, r, min(block_p, starts[b + 1] - r)) for b in range(meta.n_seqs)
+                  for r in range(starts[b], starts[b + 1], block_p)]
         dev = meta.positions.device
-        counts = torch.tensor(
-            [hi - lo for lo, hi in zip(meta.query_starts, meta.query_starts[1:])], device=dev)
-        meta._exact_tables = (
-            torch.repeat_interleave(torch.arange(meta.n_seqs, device=dev), counts),
-            torch.nn.utils.rnn.pad_sequence(meta.page_tables, batch_first=True),
-        )
-    return meta._exact_tables
+        cache[block_p] = (torch.tensor(blocks, dtype=torch.int32, device=dev),
+                          torch.nn.utils.rnn.pad_sequence(meta.page_tables, batch_first=True))
+    return cache[block_p]
 
 
 def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
@@ -202,7 +221,10 @@ def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
     t, h, d = q.shape
     q = q.contiguous()
     dev = q.device
-    row_seq, tables = _step_tables(meta)
+    rep = h // k_pool.shape[2]
+    rep_p2 = triton.next_power_of_2(rep)
+    block_p = max(1, BLOCK_ROWS // rep_p2)
+    blocks, tables = _step_blocks(meta, block_p)
     max_splits = triton.cdiv(max(meta.context_lens), SPLIT)
     m = torch.empty(t, h, max_splits, dtype=torch.float32, device=dev)
     l_split = torch.empty_like(m)
@@ -210,12 +232,11 @@ def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
     out = torch.empty_like(q)
     if t == 0:
         return out
-    rep = h // k_pool.shape[2]
-    _attention_split_kernel[(t, h, max_splits)](
-        q, k_pool, v_pool, tables, row_seq, meta.positions, m, l_split, o,
+    _attention_split_kernel[(blocks.shape[0], k_pool.shape[2], max_splits)](
+        q, k_pool, v_pool, tables, blocks, meta.positions, m, l_split, o,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         tables.stride(0), k_pool.shape[1], max_splits, scale,
-        H=h, REP=rep, D=d, SPLIT=SPLIT, BLOCK_KV=BLOCK_KV,
+        H=h, REP=rep, REP_P2=rep_p2, BLOCK_P=block_p, D=d, SPLIT=SPLIT, BLOCK_KV=BLOCK_KV,
     )
     _attention_combine_kernel[(t, h)](m, l_split, o, meta.positions, out, out.stride(0),
                                       out.stride(1), max_splits, H=h, D=d, SPLIT=SPLIT)
