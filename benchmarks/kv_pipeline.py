@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ SCENARIO = "kv-pipeline"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 KV_SEED = 0
 FIRST_TOKEN = 1000
+PROFILE_STEPS = 4  # a trace of more is too large to be read comfortably
 
 
 @dataclass
@@ -100,6 +102,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--ring-budget-mib", type=int, default=512, help="as `siding launch`")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument("--profile", type=int, default=0, metavar="CONTEXT",
+                   help="at this context, also profile a few steps of the ordered arm and of the "
+                   "first depth (torch.profiler: tables and Chrome traces under --out)")
     p.add_argument("--out", default="bench-results")
     a = p.parse_args(argv)
     a.contexts = [int(x) for x in a.contexts.split(",")]
@@ -161,6 +166,11 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread) -> di
             arm.step_seconds.append(arm.round(a.steps))
         progress(SCENARIO, f"context {context}: round {r + 1}/{a.rounds}  " + "  ".join(
             f"{arm.name} {arm.step_seconds[-1] * 1e3:.2f} ms" for arm in arms))
+    timed = a.warmup + a.rounds * a.steps
+    if context == a.profile:
+        for arm in arms[1:3]:
+            profile(arm, PROFILE_STEPS, device, f"{a.out}/{SCENARIO}-{timestamp()}-{context}-"
+                    f"{arm.name.replace(' ', '')}")
     compute = Spread.of(arms[0].step_seconds)
     ceiling = max(copy.median, compute.median)
     ordered_time = Spread.of(arms[1].step_seconds).median
@@ -169,7 +179,8 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread) -> di
         "copy_s": copy, "copy_bytes_per_s": kv_bytes / copy.median,
         "copy_of_link": kv_bytes / copy.median / link.median,
         "compute_s": compute, "ceiling_s": ceiling, "ordered_model_s": copy.median + compute.median,
-        "identical_tokens": all(arm.tokens == arms[0].tokens for arm in arms), "arms": {},
+        "identical_tokens": all(arm.tokens[:timed] == arms[0].tokens[:timed] for arm in arms),
+        "arms": {},
     }
     for arm in arms:
         t = Spread.of(arm.step_seconds)
@@ -189,6 +200,28 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread) -> di
                        wait_s_per_step=s.wait_seconds / arm.steps)
         out["arms"][arm.name] = rec
     return out
+
+
+def profile(arm: Arm, steps: int, device: torch.device, stem: str) -> None:
+    """`steps` steps of `arm` under torch.profiler: host and device time by op (cudaMemcpyAsync,
+    cudaStreamWaitEvent, synchronizations, kernels), written to stem.txt and stem.trace.json."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    sync(device)
+    with torch_profile(activities=activities) as prof:
+        arm.round(steps)
+        sync(device)
+    averages = prof.key_averages()
+    text = [f"{arm.name}, {steps} steps"]
+    for key in ("self_cpu_time_total", "self_device_time_total")[:len(activities)]:
+        text.append(averages.table(sort_by=key, row_limit=25))
+    Path(f"{stem}.txt").write_text("\n".join(text) + "\n")
+    prof.export_chrome_trace(f"{stem}.trace.json")
+    progress(SCENARIO, f"profile of {arm.name}: {stem}.txt")
 
 
 def table(points: list[dict[str, Any]], link: Spread) -> str:

@@ -97,6 +97,7 @@ class HostKVPool:
         self._writeback: tuple[torch.Tensor, ...] | None = None  # in flight until settle
         self._open = False  # a step began and has not been settled
         self._wb_event = None if self.transport is None else self.transport.event()
+        self._wb_done = None if self.transport is None else self.transport.event()
         self._wb_host: torch.Tensor | None = None
         if self.transport is not None:
             weakref.finalize(self, self.transport.close).atexit = False
@@ -108,8 +109,10 @@ class HostKVPool:
     def settle(self) -> None:
         if not self._open:
             return
-        self.ring.settle()
+        self.ring.settle(self._wb_done if self._writeback is not None else None)
         if self._writeback is not None:
+            # Primes for the next step may still be reading these pages: they are torn at
+            # most where these rows land, and those are the bytes a primed layer writes in.
             host, _, pages, offsets = self._writeback  # host: [L, 2, T, KVH, D]
             self.k[:, pages, offsets] = host[:, 0]
             self.v[:, pages, offsets] = host[:, 1]
@@ -166,11 +169,12 @@ class HostKVPool:
         else:
             host = self._host_rows(rows.numel()).view(rows.shape)
             self.transport.record(self._wb_event)
-            self.transport.copy([(host, rows)], after=self._wb_event)
+            self.transport.copy([(host, rows)], after=self._wb_event, then=self._wb_done)
         # rows stays referenced until settle: the copy may still be reading it
         self._writeback = (host, rows, *self._write)
         self._last = (rows, self.meta.write_pages, self.meta.write_offsets)
         self._prev = self._batch
+        self.ring.prime()
         self.ring.count("writeback", rows.nbytes, 1)
         self.ring.end_step()
 

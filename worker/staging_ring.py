@@ -125,12 +125,16 @@ class StagingRing:
         same too. prime_next: deliver the next step's first layers, for the same window, during
         this step's last ones. Returns how many leading layers come from the primed bytes (their
         slots lack the last step's rows, which the caller writes in)."""
+        in_flight = self.primed is not None  # primes may still be landing
         primed = reuse and self.primed == runs
         self.primed = None
         self._windows = 0
         self.runs = runs
         self.n = n = runs[-1][1] + runs[-1][2]
         self.ahead = self._take_ring()
+        if in_flight and not self.ahead:
+            # the ordered path writes its slot on the compute side, without waiting for events
+            self.transport.synchronize()
         slots = self.n_slots if self.ahead else 1
         moved = self.stats.reallocations
         self._fit(n * slots)
@@ -161,14 +165,20 @@ class StagingRing:
         return self.kv[s]
 
     def release_slot(self, layer: int) -> None:
-        """Layer `layer`'s attention is enqueued: free its slot, deliver layer + depth (past the
-        last layer: the next step's layer, when priming)."""
+        """Layer `layer`'s attention is enqueued: free its slot, deliver layer + depth."""
         if self.ahead:
             self.transport.record(self.release[(self.base + layer) % self.n_slots])
-            m = layer + self.depth
-            if m < self.n_layers or self.prime_next:
+            if layer + self.depth < self.n_layers:
+                self._deliver(layer + self.depth)
+
+    def prime(self) -> None:
+        """After the step's last layer (and its write-back): deliver the next step's first
+        layers for this window, if `begin_step` was asked to. They land while the host finishes
+        this step and plans the next; nothing waits for them but the layers that use them."""
+        if self.prime_next:
+            for m in range(self.n_layers, self.n_layers + self.depth):
                 self._deliver(m)
-                self.primed = self.runs if m >= self.n_layers else None
+            self.primed = self.runs
 
     def end_step(self) -> None:
         path = "ahead" if self.ahead else "ordered"
@@ -179,11 +189,15 @@ class StagingRing:
         if self.metrics is not None:
             self.metrics.ring(self.capacity * self.page_bytes, self.n_slots if self.ahead else 0)
 
-    def settle(self) -> None:
-        """Block until every delivery and write-back issued so far has landed."""
+    def settle(self, ev=None) -> None:
+        """Block the host until `ev` (the step's write-back) has landed; without one (a step
+        that stopped half-way), until every copy issued so far has."""
         if self.transport is None:
             return
-        self.transport.synchronize()
+        if ev is None:
+            self.transport.synchronize()
+        else:
+            self.transport.host_wait(ev)
         waited = self.transport.wait_seconds()
         self.stats.wait_seconds += waited
         if self.metrics is not None and waited:
@@ -229,11 +243,13 @@ class StagingRing:
     def _fit(self, need: int) -> None:
         """Make the buffer hold `need` pages. It grows to a power of two (within the budget and
         the headroom), so a growing context reallocates rarely, and shrinks when it holds SHRINK
-        times what this window's ring would need. Only called with the transfer side idle."""
+        times what this window's ring would need."""
         cap = self.capacity
         ring = self.n * (self.n_slots if self.depth else 1)
         if need <= cap <= SHRINK * ring:
             return
+        if self.buf is not None and self.transport is not None:
+            self.transport.synchronize()  # no copy may still be landing in the old buffer
         target = 1 << (need - 1).bit_length()
         if self.budget:
             target = min(target, max(need, self.budget // self.page_bytes))

@@ -3,8 +3,8 @@
 A transport has a compute side (where attention runs) and a transfer side (a FIFO of copies),
 and events that order one against the other the way CUDA events order two streams: `wait` and
 `copy(after=...)` capture the event's latest record at the time they are called, never a later
-one, and nothing blocks the host except `synchronize` (and, on the CPU, the compute side's
-`wait`, because there the host thread *is* the compute stream).
+one, and nothing blocks the host except `host_wait` and `synchronize` (and, on the CPU, the
+compute side's `wait`, because there the host thread *is* the compute stream).
 
 `CudaTransport` is a dedicated CUDA stream with `torch.cuda.Event`s. `CpuTransport` is a copy
 thread over a FIFO with events of its own, so the same ring logic runs in CI. Both take
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import threading
 import time
 from collections.abc import Sequence
@@ -30,7 +31,8 @@ WAIT_TIMEOUT_S = 120.0
 # torch.cuda._sleep spins for clock cycles; about 1.5-2 GHz on current parts, so a delay is
 # approximate, which is all fault injection needs.
 CYCLES_PER_MS = 1_500_000
-# CUDA waits are timed on one call in this many (two timing events each), scaled back up.
+# CUDA waits are timed on one call in this many, drawn at random (a fixed stride would time the
+# same layer every step), with two timing events each, and scaled back up.
 WAIT_SAMPLE = 16
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (dst, src)
@@ -47,6 +49,9 @@ class Transport(Protocol):
 
     def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
         """On the transfer side: wait for `after`, copy each (dst, src), then record `then`."""
+
+    def host_wait(self, ev: Any) -> None:
+        """Block the host until `ev`'s latest record has completed."""
 
     def synchronize(self) -> None:
         """Block the host until both sides are idle."""
@@ -76,7 +81,7 @@ class CudaTransport:
         # The worker computes on the device's current stream and never switches it.
         self.compute = torch.cuda.current_stream(self.device)
         self.delay_cycles = int(delay_ms * CYCLES_PER_MS)
-        self._waits = 0
+        self._sample = random.Random(0).random
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def event(self) -> torch.cuda.Event:
@@ -86,8 +91,7 @@ class CudaTransport:
         ev.record(self.compute)
 
     def wait(self, ev: torch.cuda.Event) -> None:
-        self._waits += 1
-        if self._waits % WAIT_SAMPLE:
+        if self._sample() * WAIT_SAMPLE >= 1:
             self.compute.wait_event(ev)
             return
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -100,13 +104,21 @@ class CudaTransport:
         s = self.stream
         if after is not None:
             s.wait_event(after)
-        with torch.cuda.stream(s):
+        # set_stream rather than the `torch.cuda.stream` context, which costs several stream
+        # lookups a layer; both streams are on the one device this worker process drives
+        torch.cuda.set_stream(s)
+        try:
             for dst, src in pairs:
                 if self.delay_cycles:
                     torch.cuda._sleep(self.delay_cycles)
                 dst.copy_(src, non_blocking=True)
+        finally:
+            torch.cuda.set_stream(self.compute)
         if then is not None:
             then.record(s)
+
+    def host_wait(self, ev: torch.cuda.Event) -> None:
+        ev.synchronize()
 
     def synchronize(self) -> None:
         self.stream.synchronize()
@@ -177,6 +189,10 @@ class CpuTransport:
                 then.recorded += 1
                 gen = then.recorded
         self.queue.put((after, need, list(pairs), then, gen))
+
+    def host_wait(self, ev: CpuEvent) -> None:
+        ev.wait_for(ev.recorded)
+        self._raise()
 
     def synchronize(self) -> None:
         done = CpuEvent()

@@ -129,7 +129,7 @@ class CheckedTransport(CpuTransport):
     def __init__(self, delay_ms: float = 0.0):
         super().__init__(delay_ms)
         self.ring = None
-        self.syncs = 0
+        self.syncs = self.host_waits = 0
 
     def _slot(self, ev, kind: str) -> int | None:
         events = getattr(self.ring, kind)
@@ -165,6 +165,10 @@ class CheckedTransport(CpuTransport):
             self.state[s] = "released"
         super().record(ev)
 
+    def host_wait(self, ev):
+        self.host_waits += 1
+        super().host_wait(ev)
+
     def synchronize(self):
         self.syncs += 1
         super().synchronize()
@@ -181,8 +185,10 @@ def test_slots_are_recycled_stream_to_stream_only_after_release(depth):
     assert_same_run(device, host, tables, steps)
     assert host.ring.n_slots == min(depth + 2, LAYERS)
     assert transport.reads == LAYERS * len(steps)
-    # the host blocks once a step, to land the write-back, never for a slot
-    assert transport.syncs == len(steps)
+    # the host blocks once a step, for the write-back, never for a slot; it drains the transfer
+    # side only to give a buffer back
+    assert transport.host_waits == len(steps)
+    assert transport.syncs == host.ring.stats.reallocations - 1
     assert (host.ring.stats.primed_steps > 0) == (depth < LAYERS)
 
 
@@ -225,6 +231,26 @@ def test_a_step_over_the_budget_declines_and_a_later_small_step_takes_the_ring_a
     assert stats.ordered_steps == 2
     assert_same_run(device, host, small, [[(0, 20, 1)], [(0, 21, 1)]])
     assert stats.ring_steps == 3 and stats.declines["budget"] == 2
+
+
+def test_a_step_declined_right_after_priming_lets_the_primes_land_first():
+    """The ordered path writes its slot from the compute side, where late primes would land."""
+    device, host = pools(depth=1, shape=BIG, n_pages=64, budget_mib=1, bridge=0, delay_ms=5.0)
+    ring, begin = host.ring, host.ring.begin_step
+    ordered_steps = []
+
+    def checked_begin(*args, **kwargs):
+        primed = begin(*args, **kwargs)
+        if not ring.ahead:  # nothing may still be landing in the buffer
+            ordered_steps.append(all(ev.done == ev.recorded for ev in ring.ready))
+        return primed
+
+    ring.begin_step = checked_begin
+    tables = {0: list(range(1, 23))}  # 21 pages fit the budget's ring (3 x 21 x 16 KiB), 22 not
+    steps = [[(0, 0, 330)]] + [[(0, 330 + i, 1)] for i in range(7)]
+    assert_same_run(device, host, tables, steps)
+    assert ring.stats.primed_steps > 0 and ring.stats.declines["budget"] == 1
+    assert ordered_steps == [True]
 
 
 def test_declining_costs_what_the_ordered_path_costs_and_never_holds_a_ring():
