@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(VENV)/bin/siding demo
 
 test: $(STAMP) prometheus
-	$(PY) -m ruff check protocol coordinator worker tests
+	$(PY) -m ruff check protocol coordinator worker benchmarks tests
 	$(PY) -m pytest -q -x tests
 
 bench: $(STAMP)
@@ -40,7 +40,7 @@ prometheus:
 	|| echo "make: could not install prometheus; the metrics tests will fail" >&2; }
 
 lint: $(STAMP)
-	$(PY) -m ruff check protocol coordinator worker tests
+	$(PY) -m ruff check protocol coordinator worker benchmarks tests
 
 clean:
 	rm -rf $(VENV) bench-results

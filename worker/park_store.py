@@ -5,8 +5,8 @@ on a GPU), so a run of slots is one contiguous block: a park gathers the sequenc
 layer on the pool's device into that order and copies the block out in one transfer per tensor;
 a restore copies it back in one transfer and scatters it into whatever pages the coordinator
 chose. (Pool-major slots made every park smaller than the whole store a strided copy, which the
-driver moves at a few GB/s instead of the link's 55.) Every park is recorded, so a restore of slots that do
-not hold that sequence is refused instead of silently loading someone else's KV.
+driver moves at a few GB/s instead of the link's 55.) Every park is recorded, so a restore of
+slots that do not hold that sequence is refused instead of silently loading someone else's KV.
 """
 
 from __future__ import annotations
