@@ -2,12 +2,8 @@
 
 The cluster writes its own scrape config (`--write-prometheus-config`); the test only shortens
 the intervals and adds ops/alerts.yml. The pool is small and `--preempt-every 2` parks and
-restores every running sequence every two decode steps, so the preemption series move too.
-
-TODO(host KV): `--kv host` is accepted on the command line, but the worker does not implement
-host-resident KV yet (it keeps KV on the device, and no staging ring reports transfers). Once it
-does, launch with `--kv host` and assert that siding_transfer_bytes_total{path="ahead"} and
-siding_ring_bytes grow and that siding_transfer_copies_total counts the copies.
+restores every running sequence every two decode steps, so the preemption series move too; the
+KV lives in host memory (`--kv host`), so the staging ring's transfer series move as well.
 """
 
 from __future__ import annotations
@@ -40,7 +36,8 @@ def cluster(launch, tmp_path_factory):
     port = free_metrics_port(2)
     written = tmp_path_factory.mktemp("prometheus") / "written.yml"
     c = launch("--model", "synthetic:tiny", "--workers", "2", "--page-size", "4",
-               "--kv-pages", "12", "--preempt-every", "2", "--metrics-port", str(port),
+               "--kv-pages", "12", "--preempt-every", "2", "--kv", "host",
+               "--metrics-port", str(port),
                "--write-prometheus-config", str(written))
     return SimpleNamespace(endpoint=c.endpoint, metrics_port=port, prometheus_config=written)
 
@@ -180,7 +177,16 @@ def test_gauges_return_to_idle_once_drained(prometheus, workload):
 def test_worker_gauges_describe_the_configuration(prometheus, workload):
     assert by_worker(prometheus, "siding_exact_mode") == {"0": 0, "1": 0}
     assert by_worker(prometheus, "siding_pipeline_depth") == {"0": 1, "1": 1}
-    assert by_worker(prometheus, "siding_ring_bytes") == {"0": 0, "1": 0}  # KV on the device
+    # depth + 2 slots, capped at the 2 layers each worker holds
+    assert by_worker(prometheus, "siding_ring_slots") == {"0": 2, "1": 2}
+
+
+def test_host_kv_transfers_are_counted_per_worker(prometheus, workload):
+    for path in ("ahead", "writeback"):
+        moved = by_worker(prometheus, f'siding_transfer_bytes_total{{path="{path}"}}')
+        copies = by_worker(prometheus, f'siding_transfer_copies_total{{path="{path}"}}')
+        assert set(moved) == {"0", "1"} and all(b > 0 for b in moved.values()), path
+        assert all(copies[w] > 0 for w in moved), path
     assert {labels["device"] for labels, _ in query(prometheus, "siding_exact_mode")} == {"cpu"}
 
 
