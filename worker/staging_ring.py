@@ -14,10 +14,11 @@ Ring path, for layer l and m = l + depth (issued once layer l's attention is enq
 With depth + 2 slots, layer m recycles the slot of layer l - 2, so a delivery never queues
 behind the layer just enqueued or the one before it, which a device may still be running.
 Recycling is ordered stream to stream; the host never blocks on a slot. Slots are numbered across
-steps, so the deliveries past the last layer can be the next step's first layers (priming): for
-the same window, issued during this step's last layers, used if the next step's batch continues
-this one on the same pages (the caller writes this step's rows, which the host did not have yet,
-into those slots).
+steps, so deliveries past the last layer can be the next step's first layers (priming): for the
+same window, issued after this step's write-back, used if the next step's batch continues this
+one on the same pages (the caller writes this step's rows, which the host did not have yet, into
+those slots). Everything the compute side does to a slot follows a wait on a delivery queued
+after any prime still landing, except on the ordered path, which drains the primes first.
 
 Ordered path (depth 0, or a declined step): copy then attend, one slot, on the compute side.
 A step declines when its ring would pass the budget or its device lacks headroom for it, for
@@ -122,9 +123,9 @@ class StagingRing:
 
         reuse: the caller vouches that the bytes primed during the last step are still this
         step's (same sequences, continuing, same pages); they are used if the window is the
-        same too. prime_next: deliver the next step's first layers, for the same window, during
-        this step's last ones. Returns how many leading layers come from the primed bytes (their
-        slots lack the last step's rows, which the caller writes in)."""
+        same too. prime_next: let `prime` deliver the next step's first layers for this window.
+        Returns how many leading layers come from the primed bytes (their slots lack the last
+        step's rows, which the caller writes in)."""
         in_flight = self.primed is not None  # primes may still be landing
         primed = reuse and self.primed == runs
         self.primed = None
