@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 test: $(STAMP) prometheus
 	$(PY) -m ruff check protocol coordinator worker benchmarks tests
-	$(PY) -m pytest -q -x tests
+	$(PY) -m pytest -q -x --durations=25 tests
 
 bench: $(STAMP)
 	$(VENV)/bin/siding bench decode --device cpu
