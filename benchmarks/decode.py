@@ -129,10 +129,8 @@ class SidingArm:
 
 
 class HFArm:
-    """transformers `generate` on the whole batch at once, greedy, exactly `tokens` new tokens.
-
-    Decode time is a full generate less a 1-token generate (the prefill), timed just before.
-    """
+    """transformers `generate` on the whole batch at once, greedy, exactly `tokens` new tokens,
+    each step timed as its tokens reach the host (what a client of it would see)."""
 
     def __init__(self, model: Any, prompts: torch.Tensor, device: str):
         self.model = model
@@ -141,25 +139,34 @@ class HFArm:
 
     def run(self, batch: int, tokens: int, repeat: int = -1) -> Sample:
         ids = self.prompts[:batch]
-        prefill = self._generate(ids, 1)
-        total = self._generate(ids, tokens)
-        return Sample(
-            arm="hf", batch=batch, repeat=repeat, ttft=prefill,
-            decode_tokens=batch * (tokens - 1), decode_seconds=total - prefill,
-            total_tokens=batch * tokens, total_seconds=total, first_token_skew=0.0,
-        )
-
-    def _generate(self, ids: torch.Tensor, tokens: int) -> float:
+        clock = TokenClock()
         synchronize(self.device)
-        t0 = time.perf_counter()
+        start = time.perf_counter()
         out = self.model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-            min_new_tokens=tokens, do_sample=False, pad_token_id=0,
+            min_new_tokens=tokens, do_sample=False, pad_token_id=0, streamer=clock,
         )
-        synchronize(self.device)
-        elapsed = time.perf_counter() - t0
-        assert out.shape == (ids.shape[0], ids.shape[1] + tokens), out.shape
-        return elapsed
+        if out.shape != (batch, ids.shape[1] + tokens) or len(clock.steps) != tokens:
+            raise RuntimeError(f"transformers generated {out.shape[1] - ids.shape[1]} tokens in "
+                               f"{len(clock.steps)} steps where {tokens} were asked")
+        return timed_batch("hf", batch, repeat, start, [clock.steps] * batch)
+
+
+class TokenClock:
+    """A `generate` streamer: `put` gets the prompt, then each step's tokens, already copied
+    to the host (so the step has finished on the device)."""
+
+    def __init__(self) -> None:
+        self.prompt_seen = False
+        self.steps: list[float] = []  # perf_counter seconds
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_seen:
+            self.steps.append(time.perf_counter())
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        pass
 
 
 def synchronize(device: str) -> None:
@@ -268,6 +275,10 @@ def main(argv: list[str]) -> None:
         generator=generator,
     )
     machine = machine_info(device)
+    load, cores = machine["load_average"][0], machine["cpu_count"] or 1
+    if load > cores / 2:
+        progress(SCENARIO, f"warning: load average {load:.1f} on {cores} cores; other processes "
+                 "will slow both arms and widen the spread")
 
     progress(SCENARIO, f"measuring copy bandwidth on {device}")
     bandwidth = copy_bandwidth(device)
@@ -282,10 +293,10 @@ def main(argv: list[str]) -> None:
     with LocalCluster(*launch) as cluster:
         siding = SidingArm(cluster.endpoint, prompts.tolist())
         arms = [siding] if hf is None else [siding, hf]
-        progress(SCENARIO, "warming up")
+        progress(SCENARIO, "warming up: one full run of each arm and batch size")
         for b in args.batch_sizes:
             for arm in arms:
-                arm.run(b, 2)
+                arm.run(b, args.tokens)
         for r in range(args.repeats):
             for b in args.batch_sizes:
                 for arm in arms:
@@ -379,7 +390,7 @@ def table(points: list[dict[str, Any]]) -> str:
             p["batch"], s["decode_tps"].text(),
             "-" if h is None else h["decode_tps"].text(),
             "-" if h is None else f"{p['siding_over_hf']:.2f}x",
-            f"{p['roofline_tps']:.1f}", f"{p['siding_roofline_fraction']:.0%}",
+            f"{p['roofline_tps']:.1f}", f"{p['siding_roofline_fraction']:.1%}",
             s["ttft_s"].text(1e3, 0), "-" if h is None else h["ttft_s"].text(1e3, 0),
         ])
     return format_table(headers, rows)
