@@ -48,15 +48,9 @@ def _decode_batched(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: BatchMeta, scale: float
 ) -> torch.Tensor:
     """One row per sequence: pad every table to the longest and mask the tail."""
-    page = k_pool.shape[1]
-    n_pages = max(t.numel() for t in meta.page_tables)
-    tables = torch.zeros(meta.n_seqs, n_pages, dtype=torch.int64, device=q.device)
-    for b, t in enumerate(meta.page_tables):
-        tables[b, : t.numel()] = t
-    lens = torch.tensor(meta.context_lens, device=q.device)
+    tables, mask = meta.decode_padding(k_pool.shape[1])
     k = k_pool[tables].flatten(1, 2)  # [B, L, KVH, D]
     v = v_pool[tables].flatten(1, 2)
-    mask = torch.arange(n_pages * page, device=q.device)[None, :] < lens[:, None]  # [B, L]
     o = F.scaled_dot_product_attention(
         q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,

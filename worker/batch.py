@@ -22,6 +22,23 @@ class BatchMeta:
     def n_seqs(self) -> int:
         return len(self.context_lens)
 
+    def decode_padding(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded page tables [B, P] (page 0 past each end) and the key mask [B, P * page] of a
+        batched decode: the same for every layer, so built on the first layer's call only. A
+        `replace()`d meta (other tables) starts without it."""
+        cache = self.__dict__.setdefault("_decode_padding", {})
+        cached = cache.get(page_size)
+        if cached is None:
+            device = self.positions.device
+            n_pages = max(t.numel() for t in self.page_tables)
+            tables = torch.zeros(self.n_seqs, n_pages, dtype=torch.int64, device=device)
+            for b, t in enumerate(self.page_tables):
+                tables[b, : t.numel()] = t
+            lens = torch.tensor(self.context_lens, device=device)
+            mask = torch.arange(n_pages * page_size, device=device)[None, :] < lens[:, None]
+            cached = cache[page_size] = (tables, mask)
+        return cached
+
 
 def build_meta(
     starts: list[int], counts: list[int], tables: list[list[int]], samples: list[bool],
