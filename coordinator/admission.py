@@ -8,6 +8,7 @@ from dataclasses import asdict
 from protocol.errors import ErrorCode, RequestError
 from protocol.messages import Generate, ModelInfo
 
+from .scheduler import pages_for
 from .text import TextCodec
 
 
@@ -34,7 +35,7 @@ def check_fits(prompt: list[int], msg: Generate, model: ModelInfo, kv_pages: int
     if len(prompt) >= ctx:
         raise RequestError(ErrorCode.TOO_LONG, f"the prompt has {len(prompt)} tokens; "
                            f"the model's context is {ctx}")
-    need = -(-min(len(prompt) + msg.max_tokens, ctx) // page_size)
+    need = pages_for(min(len(prompt) + msg.max_tokens, ctx), page_size)
     if need > kv_pages:
         raise RequestError(
             ErrorCode.TOO_LONG,

@@ -76,7 +76,3 @@ class LocalCluster:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             return self.proc.wait()
-
-    def worker_pids(self) -> list[int]:
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
-        return [int(x) for x in out.stdout.split()]

@@ -19,6 +19,11 @@ from .page_allocator import PageAllocator
 from .sequence import Sequence
 
 
+def pages_for(n_positions: int, page_size: int) -> int:
+    """Pages that hold `n_positions`: a partly filled tail page counts in full."""
+    return -(-n_positions // page_size)
+
+
 @dataclass
 class Move:
     seq: Sequence
@@ -51,11 +56,8 @@ class Scheduler:
         self.parked: deque[Sequence] = deque()  # oldest parked first
         self.copies: list[tuple[int, int]] = []  # copy-on-write tails for the next step
 
-    def pages_for(self, n_positions: int) -> int:
-        return -(-n_positions // self.page_size)
-
     def pages_needed(self, seq: Sequence, n: int) -> int:
-        return self.pages_for(seq.n_computed + n) - len(seq.pages)
+        return pages_for(seq.n_computed + n, self.page_size) - len(seq.pages)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
