@@ -235,6 +235,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers arm")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="siding runs decode steps eagerly (`siding launch` flag)")
     p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
     args = p.parse_args(argv)
     for name, low in (("context", 1), ("tokens", 2), ("repeats", 1), ("workers", 1)):
@@ -255,6 +257,7 @@ def cluster_args(args: argparse.Namespace, dtype: torch.dtype, threads: int) -> 
         # in lockstep from the first token on.
         "--max-batch-tokens", str(max(512, biggest * args.context)),
         "--worker-threads", str(threads),
+        *([] if args.cuda_graphs else ["--no-cuda-graphs"]),
     ]
 
 

@@ -83,6 +83,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=64, help="generated tokens per sequence")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="both clusters run decode steps eagerly (`siding launch` flag)")
     p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
     args = p.parse_args(argv)
     for name, low in (("context", 1), ("tokens", 2), ("rounds", 1)):
@@ -116,6 +118,8 @@ def main(argv: list[str]) -> None:
               "--kv-pages", str(max(1024, biggest * -(-(args.context + args.tokens) // 16))),
               "--page-size", "16", "--max-batch-seqs", str(max(64, biggest)),
               "--max-batch-tokens", str(max(512, biggest * args.context))]
+    if not args.cuda_graphs:
+        launch.append("--no-cuda-graphs")
     machine = machine_info(args.device)
     progress(SCENARIO, f"starting two clusters: {' '.join(launch)} [--exact]")
     samples: list[Sample] = []

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from protocol.messages import SeqPlan, Step
+from worker.cuda_graphs import DecodeGraphs
 from worker.host_kv import HostKVPool
 from worker.kv_pool import KVPool
 from worker.loaders import resolve
@@ -105,6 +106,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="CONTEXT",
                    help="at this context, also profile a few steps of the ordered arm and of the "
                    "first depth (torch.profiler: tables and Chrome traces under --out)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode steps eagerly, as `siding launch --no-cuda-graphs`")
     p.add_argument("--out", default="bench-results")
     a = p.parse_args(argv)
     a.contexts = [int(x) for x in a.contexts.split(",")]
@@ -115,7 +118,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
-               device: torch.device, a: argparse.Namespace) -> list[Arm]:
+               device: torch.device, a: argparse.Namespace,
+               graphs: DecodeGraphs | None = None) -> list[Arm]:
     """A device-KV arm, an ordered arm and one per depth, every pool holding the same KV."""
     n_pages = -(-(context + total_steps) // a.page_size)
     shape = (args.n_layers, n_pages, a.page_size, args.n_kv_heads, args.head_dim)
@@ -132,8 +136,8 @@ def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
             pool.k.copy_(first.k)
             pool.v.copy_(first.v)
     pages = list(range(n_pages))
-    return [Arm(name, ModelRunner(stage, pool, ParkStore(pool, 1), device), pool, pages, context)
-            for name, pool in pools.items()]
+    return [Arm(name, ModelRunner(stage, pool, ParkStore(pool, 1), device, graphs), pool, pages,
+                context) for name, pool in pools.items()]
 
 
 def copy_seconds(pool: HostKVPool, n_pages: int, device: torch.device,
@@ -151,9 +155,10 @@ def copy_seconds(pool: HostKVPool, n_pages: int, device: torch.device,
     return samples[1:]  # the first pays for warm-up
 
 
-def run_context(stage, args, context: int, dtype, device, a, link: Spread) -> dict[str, Any]:
+def run_context(stage, args, context: int, dtype, device, a, link: Spread,
+                graphs: DecodeGraphs | None) -> dict[str, Any]:
     total = a.warmup + a.steps * a.rounds
-    arms = build_arms(stage, args, context, total, dtype, device, a)
+    arms = build_arms(stage, args, context, total, dtype, device, a, graphs)
     ordered = arms[1].pool
     window = -(-(context + 1) // a.page_size)  # pages of the first timed step
     kv_bytes = args.n_layers * window * ordered.ring.page_bytes  # a step's deliveries
@@ -168,7 +173,7 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread) -> di
             f"{arm.name} {arm.step_seconds[-1] * 1e3:.2f} ms" for arm in arms))
     timed = a.warmup + a.rounds * a.steps
     if context == a.profile:
-        for arm in arms[1:3]:
+        for arm in arms[:3]:
             profile(arm, PROFILE_STEPS, device, f"{a.out}/{SCENARIO}-{timestamp()}-{context}-"
                     f"{arm.name.replace(' ', '')}")
     compute = Spread.of(arms[0].step_seconds)
@@ -259,11 +264,12 @@ def main(argv: list[str]) -> None:
     args = source.args
     progress(SCENARIO, f"loading {a.model} ({dtype}, {device})")
     stage = source.load_stage(0, args.n_layers, dtype, device)
+    graphs = DecodeGraphs(stage, device) if a.cuda_graphs and device.type == "cuda" else None
     link = pinned_bandwidth(device, "h2d", nbytes=1 << 30 if device.type == "cuda" else 1 << 28)
     progress(SCENARIO, f"pinned link h2d {link.text(1e-9, 1)} GB/s")
     points = []
     for context in a.contexts:
-        points.append(run_context(stage, args, context, dtype, device, a, link))
+        points.append(run_context(stage, args, context, dtype, device, a, link, graphs))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the last context's pools go before the next one's come
     stamp = timestamp()

@@ -112,6 +112,8 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     a("--pipeline-depth", type=int, default=1)
     a("--ring-budget-mib", type=int, default=512)
     a("--exact", action="store_true")
+    a("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+      help="run CUDA decode steps eagerly instead of replaying captured graphs")
     a("--page-size", type=int, default=16)
     a("--kv-pages", type=int, default=1024)
     a("--park-pages", type=int, default=None,
@@ -136,7 +138,8 @@ def config_from_args(args: argparse.Namespace):
     return CoordinatorConfig(
         model=args.model, workers=args.workers, devices=args.devices.split(","),
         dtype=args.dtype, kv=args.kv, pipeline_depth=args.pipeline_depth,
-        ring_budget_mib=args.ring_budget_mib, exact=args.exact, page_size=args.page_size,
+        ring_budget_mib=args.ring_budget_mib, exact=args.exact, cuda_graphs=args.cuda_graphs,
+        page_size=args.page_size,
         kv_pages=args.kv_pages, park_pages=args.park_pages, max_batch_seqs=args.max_batch_seqs,
         max_batch_tokens=args.max_batch_tokens, preempt_every=args.preempt_every,
         listen=args.listen, worker_listen=args.worker_listen,

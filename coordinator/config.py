@@ -15,6 +15,7 @@ class CoordinatorConfig:
     pipeline_depth: int = 1
     ring_budget_mib: int = 512
     exact: bool = False
+    cuda_graphs: bool = True  # decode steps on CUDA replayed from graphs (worker/cuda_graphs.py)
     page_size: int = 16
     kv_pages: int = 1024
     park_pages: int | None = None  # host park store slots; default: as many as --kv-pages

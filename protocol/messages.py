@@ -187,6 +187,7 @@ class Assign:
     pipeline_depth: int = _field(1, lo=0, hi=64)
     ring_budget_mib: int = _field(0, lo=0, hi=1 << 31)
     exact: bool = _field(False)
+    cuda_graphs: bool = _field(True)
     next_endpoint: str | None = _field(None, max_len=256)
     layer_start: int | None = _field(None, lo=0)
     layer_end: int | None = _field(None, lo=0)

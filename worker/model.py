@@ -93,16 +93,18 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(args.dim, args.q_dim + 2 * args.kv_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.q_dim, args.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV, meta: Any) -> Tensor:
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x: [T, dim] -> q: [T, H, D], k, v: [T, KVH, D], RoPE applied."""
         a = self.args
         t = x.shape[0]
         q, k, v = self.wqkv(x).split([a.q_dim, a.kv_dim, a.kv_dim], dim=-1)
-        # q: [T, H, D], k/v: [T, KVH, D]
         q = apply_rope(q.view(t, a.n_heads, a.head_dim), cos, sin)
         k = apply_rope(k.view(t, a.n_kv_heads, a.head_dim), cos, sin)
-        v = v.view(t, a.n_kv_heads, a.head_dim)
-        out = kv.attend(q, k, v, meta)
-        return self.wo(out.reshape(t, a.q_dim))
+        return q, k, v.view(t, a.n_kv_heads, a.head_dim)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV, meta: Any) -> Tensor:
+        out = kv.attend(*self.qkv(x, cos, sin), meta)
+        return self.wo(out.reshape(x.shape[0], self.args.q_dim))
 
 
 class FeedForward(nn.Module):
@@ -124,9 +126,19 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.rms_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV, meta: Any) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, kv, meta)
+    # A layer is `before_attention`, the LayerKV's attend, `after_attention`; split so that
+    # worker/cuda_graphs.py can replay the parts on either side of attention from CUDA graphs.
+    def before_attention(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, ...]:
+        return self.attention.qkv(self.attention_norm(x), cos, sin)
+
+    def after_attention(self, x: Tensor, attn: Tensor) -> Tensor:
+        """x: [T, dim], the layer's input; attn: [T, H, D], what attention returned."""
+        h = x + self.attention.wo(attn.reshape(x.shape[0], -1))
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV, meta: Any) -> Tensor:
+        q, k, v = self.before_attention(x, cos, sin)
+        return self.after_attention(x, kv.attend(q, k, v, meta))
 
 
 def check_layer_range(args: ModelArgs, layer_start: int, layer_end: int) -> None:
@@ -159,11 +171,14 @@ class StageModel(nn.Module):
         self, inputs: Tensor, positions: Tensor, kvs: Sequence[LayerKV], meta: Any
     ) -> Tensor:
         # inputs: token ids [T] int64 on the first stage, else hidden [T, dim] -> hidden [T, dim]
-        x = self.embed(inputs) if self.embed is not None else inputs
+        x = self.embed_inputs(inputs)
         cos, sin = self.rope(positions, x.dtype)
         for layer, kv in zip(self.layers, kvs, strict=True):
             x = layer(x, cos, sin, kv, meta)
         return x
+
+    def embed_inputs(self, inputs: Tensor) -> Tensor:
+        return self.embed(inputs) if self.embed is not None else inputs
 
     def logits(self, hidden: Tensor) -> Tensor:
         # hidden: [N, dim] -> [N, vocab] float32

@@ -35,6 +35,7 @@ from protocol.messages import (
 )
 from protocol.wire import MAX_MESSAGE_BYTES, decode, encode
 
+from .cuda_graphs import DecodeGraphs
 from .exact import apply_exact
 from .host_kv import HostKVPool
 from .kv_pool import KVPool
@@ -156,7 +157,10 @@ class Worker:
         else:
             raise ValueError(f"unknown KV mode {a.kv_mode!r}: use device or host")
         park = ParkStore(pool, a.park_pages or a.kv_pages)
-        self.runner = ModelRunner(stage, pool, park, self.device)
+        graphs = None
+        if a.cuda_graphs and torch.device(self.device).type == "cuda":
+            graphs = DecodeGraphs(stage, self.device)
+        self.runner = ModelRunner(stage, pool, park, self.device, graphs)
         self.dtype = dtype
         self.dim = args.dim
         if a.next_endpoint:

@@ -10,6 +10,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import Step
 
 from .batch import BatchMeta, build_meta
+from .cuda_graphs import DecodeGraphs
 from .host_kv import HostKVPool
 from .kv_pool import KVPool
 from .model import StageModel
@@ -27,8 +28,10 @@ class SequenceFault(ProtocolError):
 
 class ModelRunner:
     def __init__(self, stage: StageModel, pool: KVPool | HostKVPool, park: ParkStore,
-                 device: torch.device | str):
+                 device: torch.device | str, graphs: DecodeGraphs | None = None):
+        """graphs: replays decode steps (worker/cuda_graphs.py); None runs every step eagerly."""
         self.stage = stage
+        self.graphs = graphs
         self.pool = pool
         self.park = park
         self.device = torch.device(device)
@@ -94,7 +97,11 @@ class ModelRunner:
         else:
             inputs = hidden
         self.pool.begin_step(meta, {s.id: self.tables[s.id] for s in plan.seqs})
-        out = self.stage(inputs, meta.positions, self.pool.layers, meta)
+        if (self.graphs is not None and meta.decode_only
+                and self.graphs.bucket_rows(meta.n_seqs) is not None):
+            out = self.graphs.forward(inputs, meta.positions, self.pool.layers, meta)
+        else:
+            out = self.stage(inputs, meta.positions, self.pool.layers, meta)
         self.pool.end_step()
         return out
 

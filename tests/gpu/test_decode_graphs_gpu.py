@@ -1,0 +1,39 @@
+"""Decode steps replayed from captured CUDA graphs, in bfloat16: bit for bit the eager forward in
+exact mode (Triton kernels), and with host KV (transfer stream, delayed copies) bit for bit the
+device pool in both modes. Skipped without a GPU."""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from unit.test_decode_graphs import run, runner  # noqa: E402
+
+DEV, DT = "cuda", torch.bfloat16
+
+
+def test_captured_graphs_match_the_eager_forward_bit_for_bit_in_exact_mode():
+    pytest.importorskip("triton")
+    eager = run(runner(True, graphs=False, device=DEV, dtype=DT))
+    r = runner(True, device=DEV, dtype=DT)
+    graphed = run(r)
+    assert sorted(r.graphs.buckets) == [1, 2, 4, 8]
+    for (h1, t1), (h2, t2) in zip(eager, graphed, strict=True):
+        assert torch.equal(h1, h2) and t1 == t2
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_captured_graphs_with_host_kv_match_device_kv_bit_for_bit(exact):
+    if exact:
+        pytest.importorskip("triton")
+    on_device = run(runner(exact, device=DEV, dtype=DT))
+    host = run(runner(exact, kv="host", device=DEV, dtype=DT))
+    for (h1, t1), (h2, t2) in zip(on_device, host, strict=True):
+        assert torch.equal(h1, h2) and t1 == t2
+
+
+def test_captured_graphs_keep_the_default_mode_tokens():
+    eager = run(runner(False, graphs=False, device=DEV, dtype=DT))
+    graphed = run(runner(False, device=DEV, dtype=DT))
+    assert [t for _, t in eager] == [t for _, t in graphed]

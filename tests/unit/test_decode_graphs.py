@@ -1,0 +1,112 @@
+"""Decode steps run in pieces over padded buffers (worker/cuda_graphs.py), here without capture on
+the CPU: in exact mode bit for bit the eager forward, for batches that pad by different amounts
+and reuse a bucket's stale rows; with host KV bit for bit the device pool; steps the pieces do
+not cover (prefill, mixed) still run eagerly."""
+
+import pytest
+import torch
+
+from protocol.messages import SeqPlan, Step
+from worker.cuda_graphs import MAX_ROWS, DecodeGraphs
+from worker.exact import apply_exact
+from worker.host_kv import HostKVPool
+from worker.kv_pool import KVPool
+from worker.loaders.synthetic import SyntheticSource
+from worker.park_store import ParkStore
+from worker.runner import ModelRunner
+from worker.transport import CpuTransport, CudaTransport
+
+PAGE = 4
+PROMPTS = {1: 9, 2: 5, 3: 13, 4: 2, 5: 7}  # sequence id -> prompt length
+# decode batches: 5 rows pad to 8, 3 to 4 (rows past them stale from the 5-row step), 1, 4, 2
+DECODES = [[1, 2, 3, 4, 5], [2, 4, 5], [3], [1, 2, 3, 4], [5, 1], [1, 2, 3, 4, 5]]
+
+
+def schedule() -> list[Step]:
+    pages = iter(range(64))
+    tables = {i: [next(pages) for _ in range(-(-(n + len(DECODES)) // PAGE))]
+              for i, n in PROMPTS.items()}
+    steps = [Step(step=0, seqs=[SeqPlan(id=i, start=0, n=PROMPTS[i], pages_add=tables[i],
+                                        sample=True) for i in (1, 2, 3)]),
+             # a mixed step: one prompt beside decode rows runs eagerly
+             Step(step=1, seqs=[SeqPlan(id=4, start=0, n=2, pages_add=tables[4], sample=True),
+                                SeqPlan(id=5, start=0, n=7, pages_add=tables[5], sample=True),
+                                SeqPlan(id=1, start=9, n=1, sample=True)])]
+    pos = {i: n for i, n in PROMPTS.items()}
+    pos[1] += 1
+    for k, ids in enumerate(DECODES):
+        steps.append(Step(step=2 + k, seqs=[SeqPlan(id=i, start=pos[i], n=1, sample=True)
+                                             for i in ids]))
+        for i in ids:
+            pos[i] += 1
+    return steps
+
+
+def run(runner: ModelRunner) -> list[tuple[torch.Tensor, list[int]]]:
+    """Hidden rows and sampled tokens of every step of `schedule()`."""
+    last = {i: 100 + i for i in PROMPTS}
+    out = []
+    for plan in schedule():
+        plan.token_ids = [t for s in plan.seqs
+                          for t in ([last[s.id] + j for j in range(s.n)] if s.n > 1
+                                    else [last[s.id]])]
+        meta = runner.apply(plan)
+        hidden = runner.forward(plan, meta, None)
+        ids, tokens = runner.sample(plan, meta, hidden)
+        last.update(zip(ids, tokens))
+        out.append((hidden, tokens))
+    return out
+
+
+def runner(exact: bool, kv: str = "device", graphs: bool = True, device: str = "cpu",
+           dtype: torch.dtype = torch.float32) -> ModelRunner:
+    """On a CUDA device the pieces are captured graphs and the host pool's copies go on a
+    transfer stream; on the CPU the pieces run eagerly and copies go through the copy thread."""
+    source = SyntheticSource("tiny")
+    a = source.args
+    stage = source.load_stage(0, a.n_layers, dtype, device)
+    if exact:
+        apply_exact(stage, device)
+    shape = (a.n_layers, 64, PAGE, a.n_kv_heads, a.head_dim)
+    if kv == "host":
+        transport = CudaTransport(device, 0.5) if device != "cpu" else CpuTransport(0.5)
+        pool = HostKVPool(*shape, dtype, device, exact=exact, depth=1, transport=transport)
+    else:
+        pool = KVPool(*shape, dtype, device, exact=exact)
+    pieces = DecodeGraphs(stage, device, capture=device != "cpu") if graphs else None
+    return ModelRunner(stage, pool, ParkStore(pool, 4), device, pieces)
+
+
+def test_pieces_match_the_eager_forward_bit_for_bit_in_exact_mode():
+    eager, pieces = run(runner(True, graphs=False)), run(runner(True))
+    for (h1, t1), (h2, t2) in zip(eager, pieces, strict=True):
+        assert torch.equal(h1, h2) and t1 == t2
+
+
+def test_pieces_keep_the_default_mode_tokens():
+    eager, pieces = run(runner(False, graphs=False)), run(runner(False))
+    for (h1, t1), (h2, t2) in zip(eager, pieces, strict=True):
+        torch.testing.assert_close(h1, h2, rtol=1e-5, atol=1e-5)
+        assert t1 == t2
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_host_kv_through_the_pieces_matches_device_kv_bit_for_bit(exact):
+    on_device, host = run(runner(exact)), run(runner(exact, kv="host"))
+    for (h1, t1), (h2, t2) in zip(on_device, host, strict=True):
+        assert torch.equal(h1, h2) and t1 == t2
+
+
+def test_only_decode_steps_that_fit_a_bucket_use_the_pieces():
+    r = runner(True)
+    run(r)
+    assert sorted(r.graphs.buckets) == [1, 2, 4, 8]
+    assert [DecodeGraphs.bucket_rows(n) for n in (1, 3, 8, 9, MAX_ROWS, MAX_ROWS + 1)] == \
+        [1, 4, 8, 16, MAX_ROWS, None]
+
+
+def test_capture_needs_a_cuda_device():
+    source = SyntheticSource("tiny")
+    stage = source.load_stage(0, source.args.n_layers, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="cuda device"):
+        DecodeGraphs(stage, "cpu")
