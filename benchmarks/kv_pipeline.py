@@ -224,6 +224,7 @@ def profile(arm: Arm, steps: int, device: torch.device, stem: str) -> None:
     text = [f"{arm.name}, {steps} steps"]
     for key in ("self_cpu_time_total", "self_device_time_total")[:len(activities)]:
         text.append(averages.table(sort_by=key, row_limit=25))
+    Path(stem).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{stem}.txt").write_text("\n".join(text) + "\n")
     prof.export_chrome_trace(f"{stem}.trace.json")
     progress(SCENARIO, f"profile of {arm.name}: {stem}.txt")

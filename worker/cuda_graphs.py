@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -50,23 +51,22 @@ class Bucket:
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.attn = torch.zeros(rows, a.n_heads, a.head_dim, dtype=dtype, device=device)
         self.x: torch.Tensor | None = None  # hidden rows between pieces
-        self.qkv: tuple[torch.Tensor, ...] = ()
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.keep: list[Any] = []  # every piece's outputs: memory no later capture may reuse
-        self.pieces: list[Callable[[], None]] = []
+        # each piece runs and returns the q, k, v it left for the next attention (the last: ())
+        self.pieces: list[Callable[[], tuple[torch.Tensor, ...]]] = []
         layers = stage.layers
         n = len(layers)
 
-        def first() -> None:
+        def first() -> tuple[torch.Tensor, ...]:
             self.x = stage.embed_inputs(self.inputs)
             self.rope = stage.rope(self.positions, dtype)
-            self.qkv = layers[0].before_attention(self.x, *self.rope)
+            return layers[0].before_attention(self.x, *self.rope)
 
-        def after(i: int) -> Callable[[], None]:
-            def piece() -> None:
+        def after(i: int) -> Callable[[], tuple[torch.Tensor, ...]]:
+            def piece() -> tuple[torch.Tensor, ...]:
                 self.x = layers[i - 1].after_attention(self.x, self.attn)
-                if i < n:
-                    self.qkv = layers[i].before_attention(self.x, *self.rope)
+                return layers[i].before_attention(self.x, *self.rope) if i < n else ()
             return piece
 
         self.fns = [first, *(after(i) for i in range(1, n + 1))]
@@ -101,11 +101,11 @@ class DecodeGraphs:
         b = self.buckets.get(self.bucket_rows(n)) or self._build(n)
         b.inputs[:n].copy_(inputs)
         b.positions[:n].copy_(positions)
-        b.pieces[0]()
+        qkv = b.pieces[0]()
         for kv, piece in zip(kvs, b.pieces[1:], strict=True):
-            q, k, v = b.qkv
+            q, k, v = qkv
             b.attn[:n].copy_(kv.attend(q[:n], k[:n], v[:n], meta))
-            piece()
+            qkv = piece()
         return b.x[:n].clone()  # the next replay overwrites b.x
 
     def _build(self, n: int) -> Bucket:
@@ -121,7 +121,7 @@ class DecodeGraphs:
         self.buckets[rows] = b
         return b
 
-    def _capture(self, b: Bucket) -> list[Callable[[], None]]:
+    def _capture(self, b: Bucket) -> list[Callable[[], tuple[torch.Tensor, ...]]]:
         # Warm-up on a side stream, as torch.cuda.graphs asks: cuBLAS workspaces, Triton
         # compilation and the allocator's first blocks all happen outside the capture.
         side = torch.cuda.Stream(self.device)
@@ -130,11 +130,18 @@ class DecodeGraphs:
             for fn in b.fns:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
-        graphs = []
+        pieces = []
         for fn in b.fns:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-                fn()
-            b.keep.append((b.x, b.qkv, b.rope))
-            graphs.append(g.replay)
-        return graphs
+                qkv = fn()
+            # a replay rewrites these tensors in place; the attributes fn set are not reset
+            b.keep.append((b.x, qkv, b.rope))
+            pieces.append(partial(_replay, g, qkv))
+        return pieces
+
+
+def _replay(graph: torch.cuda.CUDAGraph, outputs: tuple[torch.Tensor, ...]
+            ) -> tuple[torch.Tensor, ...]:
+    graph.replay()
+    return outputs
