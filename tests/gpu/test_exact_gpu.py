@@ -32,7 +32,7 @@ from exactness.invariance import (  # noqa: E402
     split_chunks,
 )
 
-from worker.attention import paged_attention  # noqa: E402
+from worker.attention import gather_attention, paged_attention  # noqa: E402
 from worker.kernels import exact_triton  # noqa: E402
 from worker.model import RMSNorm  # noqa: E402
 
@@ -126,12 +126,22 @@ def test_attention_matches_the_dense_reference():
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 
-def test_default_attention_does_differ_beside_neighbours_on_this_gpu():
+def test_sdpa_attention_does_differ_beside_neighbours_on_this_gpu():
+    """What the Triton kernel guards against: the gather and SDPA path (default mode's attention
+    on CUDA without Triton or with a head size that is no power of two)."""
     seqs = paged(0)
-    alone = seqs.attend(paged_attention, [(1, 40, 1)])[0]
-    batched = [seqs.attend(paged_attention, rows)[1]
+    alone = seqs.attend(gather_attention, [(1, 40, 1)])[0]
+    batched = [seqs.attend(gather_attention, rows)[1]
                for rows in ([(0, 699, 1), (1, 40, 1)], [(3, 299, 1), (1, 40, 1), (2, 6, 1)])]
     assert not all(torch.equal(b, alone) for b in batched)
+
+
+def test_default_attention_on_cuda_is_the_paged_kernel():
+    seqs = paged(0)
+    rows = [(0, 699, 1), (1, 40, 1), (2, 6, 3)]
+    for a, b in zip(seqs.attend(paged_attention, rows),
+                    seqs.attend(exact_triton.paged_attention, rows), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_exact_stage_gives_a_prompt_the_same_bits_in_one_chunk_or_any_chunks():
