@@ -11,24 +11,17 @@ math backend (about ten kernels and 0.3 ms of host time a layer, measured on an 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from .batch import BatchMeta
+from .kernels import triton_kernels
 
 
-@functools.cache
 def _cuda_kernel(head_dim: int):
     """The Triton paged attention for this head size, or None (then SDPA serves CUDA too)."""
-    if head_dim & (head_dim - 1):
-        return None
-    try:
-        from .kernels import exact_triton
-    except ImportError:
-        return None
-    return exact_triton.paged_attention
+    kernels = triton_kernels()
+    return None if kernels is None or head_dim & (head_dim - 1) else kernels.paged_attention
 
 
 def gather(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:

@@ -40,6 +40,20 @@ class BatchMeta:
         return cached
 
 
+def device_ints(groups: list[list[int]], device: torch.device | str) -> list[torch.Tensor]:
+    """Lists of ints -> int64 tensors on `device`, moved in one copy. For CUDA the copy is from
+    pinned memory and does not block the host (a `torch.tensor(..., device=cuda)` per list would
+    be a pageable copy each, which waits for the stream)."""
+    device = torch.device(device)
+    flat = torch.tensor([v for g in groups for v in g], dtype=torch.int64)
+    if device.type == "cuda":
+        staged = torch.empty(flat.shape, dtype=torch.int64, pin_memory=True).copy_(flat)
+        flat = staged.to(device, non_blocking=True)  # the caching host allocator keeps `staged`
+    else:
+        flat = flat.to(device)
+    return list(flat.split([len(g) for g in groups]))
+
+
 def build_meta(
     starts: list[int], counts: list[int], tables: list[list[int]], samples: list[bool],
     page_size: int, device: torch.device | str,
@@ -55,17 +69,17 @@ def build_meta(
         if sample:
             sample_rows.append(query_starts[-1] - 1)
 
-    def t(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
     context_lens = [s + n for s, n in zip(starts, counts)]
+    used = [table[: -(-c // page_size)] for table, c in zip(tables, context_lens)]
+    positions_t, pages_t, offsets_t, sample_t, *tables_t = device_ints(
+        [positions, pages, offsets, sample_rows, *used], device)
     return BatchMeta(
-        positions=t(positions),
+        positions=positions_t,
         query_starts=query_starts,
         context_lens=context_lens,
-        page_tables=[t(table[: -(-c // page_size)]) for table, c in zip(tables, context_lens)],
-        write_pages=t(pages),
-        write_offsets=t(offsets),
-        sample_rows=t(sample_rows),
+        page_tables=tables_t,
+        write_pages=pages_t,
+        write_offsets=offsets_t,
+        sample_rows=sample_t,
         decode_only=all(n == 1 for n in counts),
     )

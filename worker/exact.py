@@ -1,10 +1,12 @@
 """Exact mode, switched on in one place: batch-invariant kernels around an unchanged model.
 
 `apply_exact(stage, device)` swaps the forward of each module whose arithmetic would depend on
-the other rows of its launch (every Linear; on CUDA also RMSNorm, whose reduction torch splits
-by shape there), as gpt-fast's `apply_tp` does for tensor parallelism. A `KVPool` built with
-`exact=True` attends through `exact_paged_attention`. docs/exact-mode.md says what is
-guaranteed and how each kernel keeps it.
+the other rows of its launch (every Linear), as gpt-fast's `apply_tp` does for tensor
+parallelism. A `KVPool` built with `exact=True` attends through `exact_paged_attention`. On CUDA
+RMSNorm (whose reduction torch splits by shape there) needs no swap: every mode runs it as the
+row-per-program Triton kernel (worker/model.py), and default mode attends with the same paged
+kernel too (worker/attention.py), so there exact mode changes only the matmuls.
+docs/exact-mode.md says what is guaranteed and how each kernel keeps it.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import torch
 from torch import nn
 
 from .batch import BatchMeta
-from .kernels import exact_cpu
-from .model import RMSNorm, StageModel
+from .kernels import exact_cpu, triton_kernels
+from .model import StageModel
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -31,20 +33,17 @@ def apply_exact(stage: StageModel, device: torch.device | str) -> None:
         weights = {m.weight.shape: m.weight for m in stage.modules() if isinstance(m, nn.Linear)}
         for w in weights.values():
             exact_cpu.check_row_invariance(w)
-        linear, norm = exact_cpu.linear, None
+        linear = exact_cpu.linear
     elif device.type == "cuda":
         head_dim = stage.args.head_dim
         if head_dim & (head_dim - 1):
             raise ValueError(f"exact mode on CUDA needs a power-of-two head size, not {head_dim}")
-        exact_triton = _triton()
-        linear, norm = exact_triton.linear, exact_triton.rms_norm
+        linear = _triton().linear
     else:
         raise ValueError(f"exact mode has kernels for cpu and cuda devices, not {device.type}")
     for m in stage.modules():
         if isinstance(m, nn.Linear):
             m.forward = partial(linear, weight=m.weight, bias=m.bias)
-        elif isinstance(m, RMSNorm) and norm is not None:
-            m.forward = partial(norm, weight=m.weight, eps=m.eps)
 
 
 def exact_paged_attention(
@@ -58,9 +57,7 @@ def exact_paged_attention(
 
 
 def _triton():
-    try:
-        from .kernels import exact_triton
-    except ImportError as e:
-        raise ValueError(f"exact mode on CUDA needs Triton (pip install 'siding[gpu]'): {e}") \
-            from None
-    return exact_triton
+    kernels = triton_kernels()
+    if kernels is None:
+        raise ValueError("exact mode on CUDA needs Triton (pip install 'siding[gpu]')")
+    return kernels

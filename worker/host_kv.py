@@ -29,7 +29,7 @@ from itertools import chain
 
 import torch
 
-from .batch import BatchMeta
+from .batch import BatchMeta, device_ints
 from .kv_pool import attention_for
 from .metrics import WorkerMetrics
 from .staging_ring import BRIDGE_BYTES, StagingRing, device_free_bytes, pack
@@ -132,9 +132,9 @@ class HostKVPool:
             for pos in range(ctx - (meta.query_starts[b + 1] - meta.query_starts[b]), ctx):
                 pages.append(table[pos // p])
                 offsets.append(pos % p)
-        local = torch.tensor([where[q] for q in chain(chain.from_iterable(used), pages)],
-                             dtype=torch.int64, device=self.device)
-        *slot_tables, slot_writes = local.split([*map(len, used), len(pages)])
+        *slot_tables, slot_writes = device_ints(
+            [[where[q] for q in table] for table in used] + [[where[q] for q in pages]],
+            self.device)
         self.meta = replace(meta, page_tables=slot_tables, write_pages=slot_writes)
         self.step = meta
         self._write = (torch.tensor(pages), torch.tensor(offsets))

@@ -9,7 +9,7 @@ import torch
 from protocol.errors import ProtocolError
 from protocol.messages import Step
 
-from .batch import BatchMeta, build_meta
+from .batch import BatchMeta, build_meta, device_ints
 from .cuda_graphs import DecodeGraphs
 from .host_kv import HostKVPool
 from .kv_pool import KVPool
@@ -93,7 +93,7 @@ class ModelRunner:
         if not plan.seqs:  # a step that only parks or restores
             return torch.empty(0, self.stage.args.dim, device=self.device)
         if self.first:
-            inputs = torch.tensor(plan.token_ids, dtype=torch.int64, device=self.device)
+            (inputs,) = device_ints([plan.token_ids], self.device)
         else:
             inputs = hidden
         self.pool.begin_step(meta, {s.id: self.tables[s.id] for s in plan.seqs})
