@@ -94,9 +94,9 @@ def split_chunks(split: int, length: int) -> list[range]:
 
 
 def prompt_bits(exact: bool, chunkings: list[list[int]], device: str,
-                dtype: torch.dtype) -> list[bool]:
+                dtype: torch.dtype, model: str = "synthetic:tiny") -> list[bool]:
     """For each chunking of a 40-token prompt: are its hidden states the one-chunk ones?"""
-    source = resolve("synthetic:tiny")
+    source = resolve(model)
     a = source.args
     stage = source.load_stage(0, a.n_layers, dtype, device)
     if exact:

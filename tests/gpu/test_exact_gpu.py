@@ -141,7 +141,7 @@ def test_sdpa_attention_does_differ_beside_neighbours_on_this_gpu():
 
 def test_default_attention_on_cuda_is_the_paged_kernel():
     seqs = paged(0)
-    rows = [(0, 699, 1), (1, 40, 1), (2, 6, 3)]
+    rows = [(0, 699, 1), (1, 40, 1), (2, 4, 3)]
     for a, b in zip(seqs.attend(paged_attention, rows),
                     seqs.attend(exact_triton.paged_attention, rows), strict=True):
         assert torch.equal(a, b)
@@ -153,8 +153,14 @@ def test_exact_stage_gives_a_prompt_the_same_bits_in_one_chunk_or_any_chunks():
 
 
 def test_default_stage_does_differ_between_chunkings_on_this_gpu():
-    assert prompt_bits(False, [[1] * 40, [3, 17, 1, 19], [33, 7]], DEV, DT) != [True] * 3
+    # On CUDA default mode shares exact mode's RMSNorm and attention kernels, so only cuBLAS's
+    # matmuls can differ, and on synthetic:tiny's small products they do not: a 1B shape
+    assert prompt_bits(False, [[1] * 40, [3, 17, 1, 19], [33, 7]], DEV, DT,
+                       model=DEFAULT_DIFFERS) != [True] * 3
 
+
+# a model whose default-mode matmuls (cuBLAS) give a row other bits beside other rows
+DEFAULT_DIFFERS = "synthetic:llama-1b"
 
 # the small matrix: tiny random weights (near-ties everywhere) and the default model
 ON_GPU = ("--devices", "cuda:0", "--dtype", "bfloat16")
@@ -177,7 +183,7 @@ def test_exact_requests_get_their_solo_tokens_in_a_crowd_on_the_gpu(model):
 
 def test_without_exact_mode_neighbours_do_change_tokens_on_the_gpu():
     requests = with_target(target(GREEDY), neighbours(15))
-    with cluster("--model", "synthetic:tiny", *ON_GPU, "--workers", "1") as c:
+    with cluster("--model", DEFAULT_DIFFERS, *ON_GPU, "--workers", "1") as c:
         alone = run_alone(c.endpoint, requests).tokens
         crowded = run_crowd(c.endpoint, requests).tokens
     assert crowded != alone
