@@ -94,19 +94,22 @@ def split_chunks(split: int, length: int) -> list[range]:
 
 
 def prompt_bits(exact: bool, chunkings: list[list[int]], device: str,
-                dtype: torch.dtype, model: str = "synthetic:tiny") -> list[bool]:
-    """For each chunking of a 40-token prompt: are its hidden states the one-chunk ones?"""
+                dtype: torch.dtype, model: str = "synthetic:tiny", length: int = 40) -> list[bool]:
+    """For each chunking of a `length`-token prompt: are its hidden states the one-chunk ones?"""
     source = resolve(model)
     a = source.args
     stage = source.load_stage(0, a.n_layers, dtype, device)
     if exact:
         apply_exact(stage, device)
-    tokens = torch.randint(0, a.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, a.vocab_size, (length,),
+                           generator=torch.Generator().manual_seed(0))
+    n_pages = -(-length // 16)
     tokens = tokens.to(device)
 
     def run(chunks: list[int]) -> torch.Tensor:
-        pool = KVPool(a.n_layers, 8, 16, a.n_kv_heads, a.head_dim, dtype, device, exact)
-        out, start, table = [], 0, [5, 2, 7]
+        pool = KVPool(a.n_layers, n_pages + 5, 16, a.n_kv_heads, a.head_dim, dtype, device,
+                      exact)
+        out, start, table = [], 0, [5, 2, 7, *range(8, n_pages + 5)][:n_pages]
         with torch.inference_mode():
             for n in chunks:
                 meta = build_meta([start], [n], [table], [True], pool.page_size, device)
@@ -114,5 +117,5 @@ def prompt_bits(exact: bool, chunkings: list[list[int]], device: str,
                 start += n
         return torch.cat(out)
 
-    whole = run([40])
+    whole = run([length])
     return [torch.equal(whole, run(c)) for c in chunkings]
