@@ -216,6 +216,19 @@ def _step_blocks(meta, block_p: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache[block_p]
 
 
+def _split_scratch(meta, t: int, h: int, d: int, max_splits: int, dev: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-split maxima, sums and partial outputs: one set a step, kept on its meta, since every
+    layer's launches have the same shape and run one after another on one stream."""
+    cache = meta.__dict__.setdefault("_exact_scratch", {})
+    key = (t, h, d, max_splits, dev)
+    if key not in cache:
+        m = torch.empty(t, h, max_splits, dtype=torch.float32, device=dev)
+        cache[key] = (m, torch.empty_like(m),
+                      torch.empty(t, h, max_splits, d, dtype=torch.float32, device=dev))
+    return cache[key]
+
+
 def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
     """Same contract as `worker.attention.paged_attention`; q: [T, H, D], D a power of two."""
     t, h, d = q.shape
@@ -226,9 +239,7 @@ def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
     block_p = max(1, BLOCK_ROWS // rep_p2)
     blocks, tables = _step_blocks(meta, block_p)
     max_splits = triton.cdiv(max(meta.context_lens), SPLIT)
-    m = torch.empty(t, h, max_splits, dtype=torch.float32, device=dev)
-    l_split = torch.empty_like(m)
-    o = torch.empty(t, h, max_splits, d, dtype=torch.float32, device=dev)
+    m, l_split, o = _split_scratch(meta, t, h, d, max_splits, dev)
     out = torch.empty_like(q)
     if t == 0:
         return out
