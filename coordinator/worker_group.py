@@ -137,7 +137,8 @@ class WorkerGroup:
                 rank=h.rank, n_workers=c.workers, model=c.model, dtype=c.dtype,
                 page_size=c.page_size, kv_pages=c.kv_pages, park_pages=c.park_pages,
                 kv_mode=c.kv, pipeline_depth=c.pipeline_depth, ring_budget_mib=c.ring_budget_mib,
-                exact=c.exact, cuda_graphs=c.cuda_graphs, next_endpoint=nxt,
+                exact=c.exact, cuda_graphs=c.cuda_graphs, max_batch_seqs=c.max_batch_seqs,
+                next_endpoint=nxt,
                 metrics_port=None if c.metrics_port is None else c.metrics_port + 1 + h.rank,
             ))])
             log.info("worker %d: %s pid %d on %s", h.rank, h.reg.device, h.reg.pid,

@@ -188,6 +188,7 @@ class Assign:
     ring_budget_mib: int = _field(0, lo=0, hi=1 << 31)
     exact: bool = _field(False)
     cuda_graphs: bool = _field(True)
+    max_batch_seqs: int = _field(64, lo=1, hi=1 << 20)  # decode graphs are captured up to it
     next_endpoint: str | None = _field(None, max_len=256)
     layer_start: int | None = _field(None, lo=0)
     layer_end: int | None = _field(None, lo=0)

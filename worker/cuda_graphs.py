@@ -94,6 +94,15 @@ class DecodeGraphs:
         """The padded row count of a step of n rows, or None when it runs eagerly."""
         return 1 << (n - 1).bit_length() if 0 < n <= MAX_ROWS else None
 
+    def prepare(self, max_rows: int) -> None:
+        """Build every bucket a decode step of up to `max_rows` rows can use, now rather than on
+        the first step that needs it."""
+        top, rows = self.bucket_rows(min(max_rows, MAX_ROWS)), 1
+        while rows <= top:
+            if rows not in self.buckets:
+                self._build(rows)
+            rows *= 2
+
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, kvs: Sequence[LayerKV],
                 meta: Any) -> torch.Tensor:
         """As `StageModel.forward`; the caller checks `bucket_rows` first."""

@@ -160,6 +160,7 @@ class Worker:
         graphs = None
         if a.cuda_graphs and torch.device(self.device).type == "cuda":
             graphs = DecodeGraphs(stage, self.device)
+            graphs.prepare(a.max_batch_seqs)  # no request pays for a capture
         self.runner = ModelRunner(stage, pool, park, self.device, graphs)
         self.dtype = dtype
         self.dim = args.dim

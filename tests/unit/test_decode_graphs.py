@@ -110,3 +110,11 @@ def test_capture_needs_a_cuda_device():
     stage = source.load_stage(0, source.args.n_layers, torch.float32, "cpu")
     with pytest.raises(ValueError, match="cuda device"):
         DecodeGraphs(stage, "cpu")
+
+
+def test_prepare_builds_every_bucket_a_batch_limit_can_use():
+    r = runner(False)
+    r.graphs.prepare(20)
+    assert sorted(r.graphs.buckets) == [1, 2, 4, 8, 16, 32]
+    r.graphs.prepare(MAX_ROWS * 4)
+    assert max(r.graphs.buckets) == MAX_ROWS
