@@ -355,17 +355,18 @@ class Engine:
         return True
 
     def _preempt_all_due(self) -> bool:
-        """--preempt-every K: every K decode steps, park every running sequence (restored by
-        the next schedule, into other pages)."""
+        """--preempt-every K: every K decode steps, park every running sequence that no step in
+        flight holds (restored by a later schedule, into other pages). With several stages some
+        step is nearly always in flight, so waiting until none is would park almost no one."""
         k = self.config.preempt_every
-        if not k or self.decode_steps < k or self.inflight:
+        if not k or self.decode_steps < k:
             return False
-        self.decode_steps = 0
         sched = Schedule()
-        for seq in [s for s in self.scheduler.running if s.pages]:
+        for seq in [s for s in self.scheduler.running if s.pages and not s.in_flight]:
             self.scheduler.preempt(seq, sched)
         if not sched:
             return False
+        self.decode_steps = 0
         self._send_step(sched)
         return True
 
