@@ -283,7 +283,8 @@ class Engine:
             "model": self.model.name if self.codec else None,
             "exact": c.exact,
             "workers": self._workers_status(),
-            **self._figures(),
+            "workers_up": self.workers.n_up,
+            **self.metrics.figures(),
             "pool": {"page_size": c.page_size, "pages_total": c.kv_pages,
                      "pages_used": self.allocator.n_used, "pages_free": self.allocator.n_free},
             "park": {"slots_total": self.park_slots.n_pages, "slots_used": self.park_slots.n_used},
@@ -301,30 +302,6 @@ class Engine:
             w["forward_seconds_mean"] = total / steps if last and steps else None
         return workers
 
-    def _figures(self) -> dict:
-        """The numbers the metrics export, read back from them, for `siding status`."""
-        m = self.metrics
-        return {
-            "workers_up": self.workers.n_up,
-            "tokens": {"prompt": int(m.value("siding_prompt_tokens_total")),
-                       "generated": int(m.value("siding_generation_tokens_total"))},
-            "finished": {k: int(v) for k, v in m.by_label("siding_requests",
-                                                          "finish_reason").items()},
-            "errors": {k: int(v) for k, v in m.by_label("siding_request_errors",
-                                                        "code").items()},
-            "preemptions": {k: int(v) for k, v in m.by_label("siding_preemptions",
-                                                             "action").items()},
-            "restores": int(m.value("siding_restores_total")),
-            "park_pages_used": int(m.value("siding_park_pages_used")),
-            "latency_mean_seconds": {
-                "queue": m.mean("siding_request_queue_seconds"),
-                "ttft": m.mean("siding_time_to_first_token_seconds"),
-                "itl": m.mean("siding_inter_token_latency_seconds"),
-                "e2e": m.mean("siding_e2e_request_latency_seconds"),
-                "step": m.mean("siding_step_seconds"),
-            },
-        }
-
     # ---- scheduling and dispatch ------------------------------------------------------------
 
     def _max_inflight(self) -> int:
@@ -334,8 +311,11 @@ class Engine:
         if self.failed or not self.workers.ready:
             return
         while len(self.inflight) < self._max_inflight():
-            if self._preempt_all_due():
-                continue
+            if self._preempt_due():
+                if self.inflight:
+                    return  # let the pipeline drain: every running sequence is parked at once
+                if self._preempt_all():
+                    continue
             sched = self.scheduler.schedule()
             if not sched:
                 if not self.inflight and self._make_room():
@@ -354,19 +334,21 @@ class Engine:
         self._send_step(sched)
         return True
 
-    def _preempt_all_due(self) -> bool:
-        """--preempt-every K: every K decode steps, park every running sequence that no step in
-        flight holds (restored by a later schedule, into other pages). With several stages some
-        step is nearly always in flight, so waiting until none is would park almost no one."""
+    def _preempt_due(self) -> bool:
+        """--preempt-every K: K decode steps since the last park of everyone. With several stages
+        some step is nearly always in flight, so a due park holds new steps back until none is,
+        rather than waiting for a moment that may not come."""
         k = self.config.preempt_every
-        if not k or self.decode_steps < k:
-            return False
+        return bool(k) and self.decode_steps >= k
+
+    def _preempt_all(self) -> bool:
+        """Park every running sequence (restored by the next schedule, into other pages)."""
+        self.decode_steps = 0
         sched = Schedule()
-        for seq in [s for s in self.scheduler.running if s.pages and not s.in_flight]:
+        for seq in [s for s in self.scheduler.running if s.pages]:
             self.scheduler.preempt(seq, sched)
         if not sched:
             return False
-        self.decode_steps = 0
         self._send_step(sched)
         return True
 

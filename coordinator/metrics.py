@@ -77,3 +77,25 @@ class CoordinatorMetrics:
         """A histogram's mean, None before its first observation."""
         count = self.value(name + "_count")
         return self.value(name + "_sum") / count if count else None
+
+    def figures(self) -> dict:
+        """The numbers the metrics export, read back from them, for `siding status`."""
+        return {
+            "tokens": {"prompt": int(self.value("siding_prompt_tokens_total")),
+                       "generated": int(self.value("siding_generation_tokens_total"))},
+            "finished": {k: int(v) for k, v in
+                         self.by_label("siding_requests", "finish_reason").items()},
+            "errors": {k: int(v) for k, v in
+                       self.by_label("siding_request_errors", "code").items()},
+            "preemptions": {k: int(v) for k, v in
+                            self.by_label("siding_preemptions", "action").items()},
+            "restores": int(self.value("siding_restores_total")),
+            "park_pages_used": int(self.value("siding_park_pages_used")),
+            "latency_mean_seconds": {
+                "queue": self.mean("siding_request_queue_seconds"),
+                "ttft": self.mean("siding_time_to_first_token_seconds"),
+                "itl": self.mean("siding_inter_token_latency_seconds"),
+                "e2e": self.mean("siding_e2e_request_latency_seconds"),
+                "step": self.mean("siding_step_seconds"),
+            },
+        }
