@@ -80,9 +80,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cuda:0" if cuda else "cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--concurrency", type=batch_sizes, default="1,4,32", help="e.g. 1,4,32")
-    p.add_argument("--tokens", type=int, default=64, help="generated tokens per sequence")
+    # On a GPU 64 tokens at 4 sequences are timed over about 0.3 s, where one stall of the host
+    # moves a round by a third (docs/exact-mode.md): time longer there, and more rounds.
+    p.add_argument("--tokens", type=int, default=256 if cuda else 64,
+                   help="generated tokens per sequence")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5 if cuda else 3)
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="both clusters run decode steps eagerly (`siding launch` flag)")
     p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
