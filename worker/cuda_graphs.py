@@ -43,7 +43,6 @@ class Bucket:
 
     def __init__(self, stage: StageModel, rows: int, device: torch.device, dtype: torch.dtype):
         a = stage.args
-        self.rows = rows
         if stage.embed is not None:
             self.inputs = torch.zeros(rows, dtype=torch.int64, device=device)
         else:
