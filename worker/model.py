@@ -1,8 +1,8 @@
 """The Llama-family model as plain modules, one stage (a contiguous range of layers) at a time.
 
 Tokens of every sequence in a step are concatenated (varlen layout): activations are [T, dim] and
-`positions` [T] holds each token's absolute position. Attention hands q, k, v to a `LayerKV` the
-caller passes in, which stores the new rows and attends, so paging and kernels live outside.
+`positions` [T] holds each token's absolute position. Each block hands its q, k, v to a `LayerKV`
+the caller passes in, which stores the new rows and attends, so paging and kernels live outside.
 """
 
 from __future__ import annotations
@@ -104,10 +104,6 @@ class Attention(nn.Module):
         q = apply_rope(q.view(t, a.n_heads, a.head_dim), cos, sin)
         k = apply_rope(k.view(t, a.n_kv_heads, a.head_dim), cos, sin)
         return q, k, v.view(t, a.n_kv_heads, a.head_dim)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV, meta: Any) -> Tensor:
-        out = kv.attend(*self.qkv(x, cos, sin), meta)
-        return self.wo(out.reshape(x.shape[0], self.args.q_dim))
 
 
 class FeedForward(nn.Module):
