@@ -119,8 +119,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
                device: torch.device, a: argparse.Namespace,
-               graphs: DecodeGraphs | None = None) -> list[Arm]:
-    """A device-KV arm, an ordered arm and one per depth, every pool holding the same KV."""
+               graphs: bool = False) -> list[Arm]:
+    """A device-KV arm, an ordered arm and one per depth, every pool holding the same KV; each
+    with decode graphs of its own when `graphs`."""
     n_pages = -(-(context + total_steps) // a.page_size)
     shape = (args.n_layers, n_pages, a.page_size, args.n_kv_heads, args.head_dim)
     pools: dict[str, KVPool | HostKVPool] = {"device": KVPool(*shape, dtype, device)}
@@ -136,8 +137,9 @@ def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
             pool.k.copy_(first.k)
             pool.v.copy_(first.v)
     pages = list(range(n_pages))
-    return [Arm(name, ModelRunner(stage, pool, ParkStore(pool, 1), device, graphs), pool, pages,
-                context) for name, pool in pools.items()]
+    return [Arm(name, ModelRunner(stage, pool, ParkStore(pool, 1), device,
+                                  DecodeGraphs(stage, pool, device) if graphs else None),
+                pool, pages, context) for name, pool in pools.items()]
 
 
 def copy_seconds(pool: HostKVPool, n_pages: int, device: torch.device,
@@ -156,7 +158,7 @@ def copy_seconds(pool: HostKVPool, n_pages: int, device: torch.device,
 
 
 def run_context(stage, args, context: int, dtype, device, a, link: Spread,
-                graphs: DecodeGraphs | None) -> dict[str, Any]:
+                graphs: bool) -> dict[str, Any]:
     total = a.warmup + a.steps * a.rounds
     arms = build_arms(stage, args, context, total, dtype, device, a, graphs)
     ordered = arms[1].pool
@@ -265,7 +267,7 @@ def main(argv: list[str]) -> None:
     args = source.args
     progress(SCENARIO, f"loading {a.model} ({dtype}, {device})")
     stage = source.load_stage(0, args.n_layers, dtype, device)
-    graphs = DecodeGraphs(stage, device) if a.cuda_graphs and device.type == "cuda" else None
+    graphs = a.cuda_graphs and device.type == "cuda"
     link = pinned_bandwidth(device, "h2d", nbytes=1 << 30 if device.type == "cuda" else 1 << 28)
     progress(SCENARIO, f"pinned link h2d {link.text(1e-9, 1)} GB/s")
     points = []

@@ -1,92 +1,239 @@
-"""Decode steps replayed from CUDA graphs, in pieces around attention.
+"""Decode steps replayed from CUDA graphs.
 
 Eager PyTorch launches some fifty kernels a layer from Python; at decode sizes the GPU finishes
 each one long before the host has issued the next, so a step costs host time, not device time
-(about 12 ms for `synthetic:llama-1b` at batch 1 on an H200, against about 1 ms of kernels).
-Outside attention a decode step has the same shapes every step for a given row count, so that
-part is captured once per row-count bucket and replayed:
+(about 12 ms for `synthetic:llama-1b` at batch 1 on an H200, against about 1 ms of kernels). A
+decode step has the same shapes every step for a given row count and context size, so it is
+captured once per (row bucket, split bucket) and replayed, attention and the new rows' writes
+included:
 
     piece 0:      embedding (or the incoming hidden rows), RoPE tables, layer 0 up to q, k, v
-    piece i:      layer i-1 after its attention, layer i up to q, k, v      (0 < i < L)
-    piece L:      layer L-1 after its attention
+    piece l + 1:  layer l's new rows into its pages, its attention, the rest of layer l,
+                  layer l + 1 up to q, k, v                              (0 <= l < L)
 
-Attention runs eagerly between pieces, on the step's real rows: it reads page tables and context
-lengths that change every step, and with host KV it waits on the staging ring's deliveries,
-events that a captured graph cannot wait on. Each layer so costs two or three launches from the
-host instead of fifty.
+What changes from step to step is data in fixed buffers (`StepBuffers`), written by two copies
+before the replay: positions, the flat page tables, the attention blocks, and each layer's page
+base (the slot a staging ring gives the layer this step; 0 for device pages). Rows are padded
+up to the bucket (a power of two); a padding row writes its K and V into the pool's spare page,
+attends to nothing and is dropped. The attention grid spans the bucket's splits (a power of two
+of 256-key splits); splits past a row's keys exit at once.
 
-Rows are padded up to the bucket (a power of two); padded rows carry stale but finite inputs,
-never reach attention and are dropped from the result. The pieces run the same modules as the
-eager path (`Block.before_attention` / `after_attention`), so a device pool and a host pool, one
-worker or several, exact mode or not, all see the same kernels for the same step.
+With device KV the pieces are one graph: a step is one replay. With host KV the pool's hooks run
+between pieces: before layer l's piece waits for its slot to be delivered, after it records
+the slot's release and issues the next delivery, events a captured graph cannot wait on across
+steps. A pool's buffers are captured by address: when a ring reallocates its buffer, the graphs
+are captured again.
+
+The pieces run the same modules as the eager path (`Block.before_attention` /
+`after_attention`) and the same attention kernel, so a device pool and a host pool, one worker
+or several, exact mode or not, all see the same kernels for the same step. `capture=False` runs
+the pieces eagerly over the same buffers (the CPU tests), attention through the pool's own
+attention function.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from .model import LayerKV, StageModel
+from .batch import BatchMeta, device_ints
+from .kernels import ATTENTION_SPLIT, triton_kernels
+from .model import StageModel
 
 log = logging.getLogger("siding.worker")
 
 MAX_ROWS = 256  # decode steps with more rows run eagerly
+PREPARED_SPLITS = 8  # graphs built at load: contexts up to 8 splits (2048 keys)
 
 
-class Bucket:
-    """The static buffers and pieces of one padded row count."""
+class GraphLayer(Protocol):
+    """What a decode graph needs of one layer of a pool (KVPool's and HostKVPool's views)."""
 
-    def __init__(self, stage: StageModel, rows: int, device: torch.device, dtype: torch.dtype):
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V pages this layer's attention reads, [pages, page, KVH, D], by address."""
+
+    def enter(self) -> None:
+        """Before the layer's piece: what must precede its writes and reads (a slot's delivery)."""
+
+    def leave(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """After it: the step's new rows k, v [T, KVH, D], and freeing what it read."""
+
+
+class GraphPool(Protocol):
+    """What a decode graph needs of a KV pool, between its `begin_step` and `end_step`."""
+
+    layers: list[GraphLayer]
+    page_size: int
+    scale: float
+    attention: Callable[..., torch.Tensor]
+    hooks: bool  # whether the layers' enter/leave do anything (else one graph a step)
+
+    def graph_key(self) -> Any:
+        """Changes whenever a buffer a captured graph holds by address is replaced; None: the
+        pool has no buffers yet."""
+
+    def spare_page(self) -> int:
+        """A page in every layer's buffers that nothing reads: padding rows write there."""
+
+    def step_tables(self) -> list[torch.Tensor]:
+        """This step's page tables, in the buffers' numbering before the page base."""
+
+    def page_bases(self) -> list[int]:
+        """Each layer's page base this step: its tables index buffers from there."""
+
+
+def splits_bucket(context: int) -> int:
+    """The power of two of attention splits that covers `context` keys."""
+    n = -(-context // ATTENTION_SPLIT)
+    return 1 << (n - 1).bit_length()
+
+
+class StepBuffers:
+    """A decode step of up to `rows` rows, in fixed buffers that the captured kernels read."""
+
+    def __init__(self, rows: int, splits: int, stage: StageModel, pool: GraphPool,
+                 device: torch.device, capture: bool):
         a = stage.args
+        self.rows, self.splits, self.pool = rows, splits, pool
+        n_layers = len(pool.layers)
+        # positions [rows] | attention positions [rows], -1 past the batch | blocks [rows, 3]
+        # | page bases [layers]: one flat buffer, so one copy a step
+        self.ints = torch.zeros(5 * rows + n_layers, dtype=torch.int64, device=device)
+        self.positions, self.attn_positions, blocks, self.bases = self.ints.split(
+            [rows, rows, 3 * rows, n_layers])
+        self.blocks = blocks.view(rows, 3)
+        self.pages_per_row = -(-splits * ATTENTION_SPLIT // pool.page_size)
+        self.tables = torch.zeros(rows * self.pages_per_row, dtype=torch.int64, device=device)
+        self.scratch = None
+        if capture:
+            self.scratch = triton_kernels().split_scratch(rows, a.n_heads, a.head_dim, splits,
+                                                          device)
+        self.meta: BatchMeta | None = None  # the step's (for eager pieces' attention)
+        self.write_page = self.write_offset = None  # [rows], set by piece 0
+        self.clear()
+
+    def clear(self) -> None:
+        """A step with no rows: what a capture runs, writing only the spare page."""
+        self.ints.zero_()
+        self.attn_positions.fill_(-1)
+
+    def fill(self, meta: BatchMeta) -> None:
+        n, rows = meta.n_seqs, self.rows
+        pad = rows - n
+        positions = [c - 1 for c in meta.context_lens]  # a decode row is its context's last
+        tables = self.pool.step_tables()
+        starts = [0]
+        for t in tables:
+            starts.append(starts[-1] + t.numel())
+        blocks = [v for b in range(n) for v in (starts[b], b, 1)]
+        (src,) = device_ints([positions + [0] * pad + positions + [-1] * pad + blocks
+                              + [0] * 3 * pad + self.pool.page_bases()], self.ints.device)
+        self.ints.copy_(src)
+        self.tables[:starts[-1]].copy_(torch.cat(tables))
+        self.meta = meta
+
+    def locate_rows(self) -> None:
+        """Each row's page (before the base) and offset: the same for every layer."""
+        page = self.pool.page_size
+        pos = self.attn_positions.clamp(min=0)
+        self.write_page = torch.where(self.attn_positions >= 0,
+                                      self.tables[self.blocks[:, 0] + pos // page], -1)
+        self.write_offset = pos % page
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> torch.Tensor:
+        """Layer `layer`'s new rows into its pages, then its attention: [rows, H, D]."""
+        pool = self.pool
+        k_pages, v_pages = pool.layers[layer].buffers()
+        base = self.bases[layer:layer + 1]
+        pages = torch.where(self.write_page >= 0, self.write_page + base, pool.spare_page())
+        k_pages.index_put_((pages, self.write_offset), k.to(k_pages.dtype))
+        v_pages.index_put_((pages, self.write_offset), v.to(v_pages.dtype))
+        if self.scratch is not None:
+            out = torch.empty_like(q)
+            triton_kernels().launch(q, k_pages, v_pages, self.tables, base, self.blocks,
+                                    self.attn_positions, self.scratch, out, pool.scale)
+            return out
+        # eager pieces: the pool's own attention over the real rows, through the same bases
+        meta, n = self.meta, self.meta.n_seqs
+        offset = pool.page_bases()[layer]
+        shifted = replace(meta, page_tables=[t + offset for t in pool.step_tables()])
+        out = torch.zeros_like(q)
+        out[:n] = pool.attention(q[:n], k_pages, v_pages, shifted, pool.scale)
+        return out
+
+
+class StepGraph:
+    """The buffers and pieces of one (row bucket, split bucket)."""
+
+    def __init__(self, stage: StageModel, pool: GraphPool, rows: int, splits: int,
+                 device: torch.device, dtype: torch.dtype, capture: bool):
+        a = stage.args
+        self.buffers = b = StepBuffers(rows, splits, stage, pool, device, capture)
         if stage.embed is not None:
             self.inputs = torch.zeros(rows, dtype=torch.int64, device=device)
         else:
             self.inputs = torch.zeros(rows, a.dim, dtype=dtype, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.attn = torch.zeros(rows, a.n_heads, a.head_dim, dtype=dtype, device=device)
         self.x: torch.Tensor | None = None  # hidden rows between pieces
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.qkv: list[tuple[torch.Tensor, ...]] = []  # each layer's q, k, v
         self.keep: list[Any] = []  # every piece's outputs: memory no later capture may reuse
-        # each piece runs and returns the q, k, v it left for the next attention (the last: ())
-        self.pieces: list[Callable[[], tuple[torch.Tensor, ...]]] = []
+        self.pieces: list[Callable[[], None]] = []
         layers = stage.layers
         n = len(layers)
 
-        def first() -> tuple[torch.Tensor, ...]:
+        def first() -> None:
+            b.locate_rows()
             self.x = stage.embed_inputs(self.inputs)
-            self.rope = stage.rope(self.positions, dtype)
-            return layers[0].before_attention(self.x, *self.rope)
+            self.rope = stage.rope(b.positions, dtype)
+            self.qkv = [layers[0].before_attention(self.x, *self.rope)]
 
-        def after(i: int) -> Callable[[], tuple[torch.Tensor, ...]]:
-            def piece() -> tuple[torch.Tensor, ...]:
-                self.x = layers[i - 1].after_attention(self.x, self.attn)
-                return layers[i].before_attention(self.x, *self.rope) if i < n else ()
+        def layer(i: int) -> Callable[[], None]:
+            def piece() -> None:
+                attn = b.attend(i, *self.qkv[i])
+                self.x = layers[i].after_attention(self.x, attn)
+                if i + 1 < n:
+                    self.qkv.append(layers[i + 1].before_attention(self.x, *self.rope))
             return piece
 
-        self.fns = [first, *(after(i) for i in range(1, n + 1))]
+        self.fns = [first, *(layer(i) for i in range(n))]
 
 
 class DecodeGraphs:
-    """`StageModel.forward` for decode steps of up to MAX_ROWS rows, from captured pieces.
+    """`StageModel.forward` for decode steps of up to MAX_ROWS rows over one pool, from captured
+    graphs.
 
-    capture False runs the same pieces eagerly over the same padded buffers: what the CPU tests
+    capture False runs the same pieces eagerly over the same buffers: what the CPU tests
     exercise, and what a CUDA capture replays.
     """
 
-    def __init__(self, stage: StageModel, device: torch.device | str, capture: bool = True):
+    def __init__(self, stage: StageModel, pool: GraphPool, device: torch.device | str,
+                 capture: bool = True):
         self.stage = stage
+        self.kv = pool
         self.device = torch.device(device)
         self.dtype = next(stage.parameters()).dtype
         self.capture = capture
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a cuda device, not {self.device}")
+        head_dim = stage.args.head_dim
+        if capture and (triton_kernels() is None or head_dim & (head_dim - 1)):
+            raise ValueError("CUDA graphs capture the Triton paged attention, which needs "
+                             f"Triton and a power-of-two head size (not {head_dim})")
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.buckets: dict[int, Bucket] = {}
+        self.graphs: dict[tuple[int, int], StepGraph] = {}  # (rows, splits) -> graph
+        self._key: Any = None  # the pool's graph_key the graphs were captured against
+
+    @property
+    def buckets(self) -> set[int]:
+        """The row buckets built so far."""
+        return {rows for rows, _ in self.graphs}
 
     @staticmethod
     def bucket_rows(n: int) -> int | None:
@@ -94,62 +241,87 @@ class DecodeGraphs:
         return 1 << (n - 1).bit_length() if 0 < n <= MAX_ROWS else None
 
     def prepare(self, max_rows: int) -> None:
-        """Build every bucket a decode step of up to `max_rows` rows can use, now rather than on
-        the first step that needs it."""
+        """Build what a decode step of up to `max_rows` rows and PREPARED_SPLITS splits can use,
+        now rather than on the first step that needs it. A pool without buffers yet (a host
+        pool's ring) is captured on its first step."""
+        if not self._current():
+            return
         top, rows = self.bucket_rows(min(max_rows, MAX_ROWS)), 1
         while rows <= top:
-            if rows not in self.buckets:
-                self._build(rows)
+            splits = 1
+            while splits <= PREPARED_SPLITS:
+                if (rows, splits) not in self.graphs:
+                    self._build(rows, splits)
+                splits *= 2
             rows *= 2
 
-    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, kvs: Sequence[LayerKV],
-                meta: Any) -> torch.Tensor:
-        """As `StageModel.forward`; the caller checks `bucket_rows` first."""
-        n = positions.shape[0]
-        b = self.buckets.get(self.bucket_rows(n)) or self._build(n)
-        b.inputs[:n].copy_(inputs)
-        b.positions[:n].copy_(positions)
-        qkv = b.pieces[0]()
-        for kv, piece in zip(kvs, b.pieces[1:], strict=True):
-            q, k, v = qkv
-            b.attn[:n].copy_(kv.attend(q[:n], k[:n], v[:n], meta))
-            qkv = piece()
-        return b.x[:n].clone()  # the next replay overwrites b.x
+    def forward(self, inputs: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+        """As `StageModel.forward` over the pool's layers, between its begin_step and end_step;
+        the caller checks `bucket_rows` first."""
+        n = meta.n_seqs
+        self._current()
+        key = (self.bucket_rows(n), splits_bucket(max(meta.context_lens)))
+        g = self.graphs.get(key) or self._build(*key)
+        g.buffers.fill(meta)
+        g.inputs[:n].copy_(inputs)
+        if not self.kv.hooks:
+            for piece in g.pieces:
+                piece()
+        else:
+            g.pieces[0]()
+            for i, (layer, piece) in enumerate(zip(self.kv.layers, g.pieces[1:], strict=True)):
+                layer.enter()
+                piece()
+                _, k, v = g.qkv[i]
+                layer.leave(k[:n], v[:n])
+        return g.x[:n].clone()  # the next replay overwrites g.x
 
-    def _build(self, n: int) -> Bucket:
-        rows = self.bucket_rows(n)
-        b = Bucket(self.stage, rows, self.device, self.dtype)
+    def _current(self) -> bool:
+        """Drop graphs captured against buffers the pool has since replaced."""
+        key = self.kv.graph_key()
+        if key != self._key:
+            self.graphs.clear()
+            self._key = key
+        return key is not None
+
+    def _build(self, rows: int, splits: int) -> StepGraph:
+        g = StepGraph(self.stage, self.kv, rows, splits, self.device, self.dtype, self.capture)
         if not self.capture:
-            b.pieces = b.fns
+            g.pieces = g.fns
         else:
             t0 = time.perf_counter()
-            b.pieces = self._capture(b)
-            log.info("captured decode graphs for %d rows (%d pieces) in %.2fs", rows,
-                     len(b.pieces), time.perf_counter() - t0)
-        self.buckets[rows] = b
-        return b
+            g.pieces = self._capture(g)
+            log.info("captured decode graphs for %d rows, %d splits (%d pieces) in %.2fs", rows,
+                     splits, len(g.pieces), time.perf_counter() - t0)
+        self.graphs[rows, splits] = g
+        return g
 
-    def _capture(self, b: Bucket) -> list[Callable[[], tuple[torch.Tensor, ...]]]:
+    def _capture(self, g: StepGraph) -> list[Callable[[], None]]:
         # Warm-up on a side stream, as torch.cuda.graphs asks: cuBLAS workspaces, Triton
-        # compilation and the allocator's first blocks all happen outside the capture.
+        # compilation and the allocator's first blocks all happen outside the capture. The
+        # buffers hold a step without rows, which writes only the spare page.
+        g.buffers.clear()
+        stream = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        side.wait_stream(stream)
         with torch.cuda.stream(side):
-            for fn in b.fns:
+            for fn in g.fns:
                 fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        stream.wait_stream(side)
+        groups = [g.fns] if not self.kv.hooks else [[fn] for fn in g.fns]
         pieces = []
-        for fn in b.fns:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-                qkv = fn()
-            # a replay rewrites these tensors in place; the attributes fn set are not reset
-            b.keep.append((b.x, qkv, b.rope))
-            pieces.append(partial(_replay, g, qkv))
+        for fns in groups:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                for fn in fns:
+                    fn()
+            # a replay rewrites these tensors in place; the attributes the pieces set are not
+            # reset by it
+            g.keep.append((g.x, g.rope, list(g.qkv), g.buffers.write_page,
+                           g.buffers.write_offset))
+            pieces.append(partial(_replay, graph))
         return pieces
 
 
-def _replay(graph: torch.cuda.CUDAGraph, outputs: tuple[torch.Tensor, ...]
-            ) -> tuple[torch.Tensor, ...]:
+def _replay(graph: torch.cuda.CUDAGraph) -> None:
     graph.replay()
-    return outputs

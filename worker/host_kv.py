@@ -106,6 +106,23 @@ class HostKVPool:
     def bytes_per_page(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 
+    # What a captured decode step needs (worker/cuda_graphs.py's GraphPool): the ring buffer by
+    # address, each layer's slot as a page base, and the ring's events between pieces.
+    hooks = True
+
+    def graph_key(self) -> tuple[int, int] | None:
+        buf = self.ring.buf
+        return None if buf is None else (buf.data_ptr(), buf.shape[0])
+
+    def spare_page(self) -> int:
+        return self.ring.spare_page
+
+    def step_tables(self) -> list[torch.Tensor]:
+        return self.meta.page_tables
+
+    def page_bases(self) -> list[int]:
+        return self.ring.page_bases()
+
     def settle(self) -> None:
         if not self._open:
             return
@@ -200,15 +217,31 @@ class HostLayerView:
         pool = self.pool
         assert meta is pool.step, "attend outside the step begun with begin_step"
         sm = pool.meta
-        k_slot, v_slot = pool.ring.acquire(self.layer)  # [n, page, KVH, D] each
+        k_slot, v_slot = self.enter()
+        k, v = k.to(k_slot.dtype), v.to(v_slot.dtype)
+        k_slot[sm.write_pages, sm.write_offsets] = k
+        v_slot[sm.write_pages, sm.write_offsets] = v
+        out = pool.attention(q, k_slot, v_slot, sm, pool.scale)
+        self.leave(k, v)
+        return out
+
+    def enter(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's slot (k, v) [n, page, KVH, D] once delivered, holding the last step's rows
+        where it came primed."""
+        pool = self.pool
+        k_slot, v_slot = pool.ring.acquire(self.layer)
         if self.layer < pool.primed:
             rows, pages, offsets = pool.patch
             k_slot[pages, offsets] = rows[self.layer, 0]
             v_slot[pages, offsets] = rows[self.layer, 1]
-        k, v = k.to(k_slot.dtype), v.to(v_slot.dtype)
-        k_slot[sm.write_pages, sm.write_offsets] = k
-        v_slot[sm.write_pages, sm.write_offsets] = v
-        pool.rows += (k, v)
-        out = pool.attention(q, k_slot, v_slot, sm, pool.scale)
-        pool.ring.release_slot(self.layer)
-        return out
+        return k_slot, v_slot
+
+    def leave(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The layer's new rows (for the write-back) are written and its attention enqueued."""
+        self.pool.rows += (k, v)
+        self.pool.ring.release_slot(self.layer)
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole ring buffer: a captured step reads the slot through its page base."""
+        buf = self.pool.ring.buf
+        return buf[:, 0], buf[:, 1]

@@ -159,8 +159,12 @@ class Worker:
         park = ParkStore(pool, a.park_pages or a.kv_pages)
         graphs = None
         if a.cuda_graphs and torch.device(self.device).type == "cuda":
-            graphs = DecodeGraphs(stage, self.device)
-            graphs.prepare(a.max_batch_seqs)  # no request pays for a capture
+            try:
+                graphs = DecodeGraphs(stage, pool, self.device)
+            except ValueError as e:
+                log.warning("decode steps run eagerly: %s", e)
+            else:
+                graphs.prepare(a.max_batch_seqs)  # no request pays for a capture
         self.runner = ModelRunner(stage, pool, park, self.device, graphs)
         self.dtype = dtype
         self.dim = args.dim

@@ -99,7 +99,7 @@ class ModelRunner:
         self.pool.begin_step(meta, {s.id: self.tables[s.id] for s in plan.seqs})
         if (self.graphs is not None and meta.decode_only
                 and self.graphs.bucket_rows(meta.n_seqs) is not None):
-            out = self.graphs.forward(inputs, meta.positions, self.pool.layers, meta)
+            out = self.graphs.forward(inputs, meta)
         else:
             out = self.stage(inputs, meta.positions, self.pool.layers, meta)
         self.pool.end_step()

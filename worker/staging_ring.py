@@ -96,7 +96,8 @@ class StagingRing:
         self.free_bytes = free_bytes
         self.metrics = metrics
         self.stats = RingStats()
-        self.buf: torch.Tensor | None = None  # [capacity, 2, page, KVH, D]
+        # [capacity + 1, 2, page, KVH, D]; the last page is no slot's (spare_page)
+        self.buf: torch.Tensor | None = None
         events = depth > 0 and transport is not None
         self.ready = [transport.event() for _ in range(self.n_slots)] if events else []
         self.release = [transport.event() for _ in range(self.n_slots)] if events else []
@@ -114,7 +115,18 @@ class StagingRing:
 
     @property
     def capacity(self) -> int:
-        return 0 if self.buf is None else self.buf.shape[0]
+        return 0 if self.buf is None else self.buf.shape[0] - 1
+
+    @property
+    def spare_page(self) -> int:
+        """A page of the buffer in no slot: a captured step's padding rows write there."""
+        return self.capacity
+
+    def page_bases(self) -> list[int]:
+        """Where each layer's slot starts in the buffer this step, in pages."""
+        if not self.ahead:
+            return [0] * self.n_layers
+        return [(self.base + layer) % self.n_slots * self.n for layer in range(self.n_layers)]
 
     # ---- per step ---------------------------------------------------------------------------
 
@@ -260,6 +272,6 @@ class StagingRing:
                 target = need
         self.buf, self.slots, self.kv = None, [], []  # the old buffer goes before the new comes
         # zeros, not empty: no slot ever holds NaN garbage, not even where a mask hides it
-        self.buf = torch.zeros((target, *self.host.shape[2:]), dtype=self.host.dtype,
+        self.buf = torch.zeros((target + 1, *self.host.shape[2:]), dtype=self.host.dtype,
                                device=self.device)
         self.stats.reallocations += 1

@@ -22,17 +22,25 @@ PROMPTS = {1: 9, 2: 5, 3: 13, 4: 2, 5: 7}  # sequence id -> prompt length
 DECODES = [[1, 2, 3, 4, 5], [2, 4, 5], [3], [1, 2, 3, 4], [5, 1], [1, 2, 3, 4, 5]]
 
 
-def schedule() -> list[Step]:
-    pages = iter(range(64))
-    tables = {i: [next(pages) for _ in range(-(-(n + len(DECODES)) // PAGE))]
-              for i, n in PROMPTS.items()}
-    steps = [Step(step=0, seqs=[SeqPlan(id=i, start=0, n=PROMPTS[i], pages_add=tables[i],
+def schedule(prompts: dict[int, int] = PROMPTS) -> list[Step]:
+    """Prompts of sequences 1-3, then (mixed) of 4 and 5 beside a decode row of 1, then DECODES;
+    pages interleaved across sequences, so no table is a run."""
+    pages = iter(range(pages_needed(prompts)))
+    n_pages = {i: -(-(n + len(DECODES) + 1) // PAGE) for i, n in prompts.items()}
+    tables = {i: [] for i in prompts}
+    for k in range(max(n_pages.values())):
+        for i in prompts:
+            if k < n_pages[i]:
+                tables[i].append(next(pages))
+    steps = [Step(step=0, seqs=[SeqPlan(id=i, start=0, n=prompts[i], pages_add=tables[i],
                                         sample=True) for i in (1, 2, 3)]),
              # a mixed step: one prompt beside decode rows runs eagerly
-             Step(step=1, seqs=[SeqPlan(id=4, start=0, n=2, pages_add=tables[4], sample=True),
-                                SeqPlan(id=5, start=0, n=7, pages_add=tables[5], sample=True),
-                                SeqPlan(id=1, start=9, n=1, sample=True)])]
-    pos = {i: n for i, n in PROMPTS.items()}
+             Step(step=1, seqs=[SeqPlan(id=4, start=0, n=prompts[4], pages_add=tables[4],
+                                        sample=True),
+                                SeqPlan(id=5, start=0, n=prompts[5], pages_add=tables[5],
+                                        sample=True),
+                                SeqPlan(id=1, start=prompts[1], n=1, sample=True)])]
+    pos = dict(prompts)
     pos[1] += 1
     for k, ids in enumerate(DECODES):
         steps.append(Step(step=2 + k, seqs=[SeqPlan(id=i, start=pos[i], n=1, sample=True)
@@ -42,14 +50,17 @@ def schedule() -> list[Step]:
     return steps
 
 
-def run(runner: ModelRunner) -> list[tuple[torch.Tensor, list[int]]]:
-    """Hidden rows and sampled tokens of every step of `schedule()`."""
-    last = {i: 100 + i for i in PROMPTS}
+def pages_needed(prompts: dict[int, int]) -> int:
+    return sum(-(-(n + len(DECODES) + 1) // PAGE) for n in prompts.values())
+
+
+def run(runner: ModelRunner, prompts: dict[int, int] = PROMPTS
+        ) -> list[tuple[torch.Tensor, list[int]]]:
+    """Hidden rows and sampled tokens of every step of `schedule(prompts)`."""
+    last = {i: 100 + i for i in prompts}
     out = []
-    for plan in schedule():
-        plan.token_ids = [t for s in plan.seqs
-                          for t in ([last[s.id] + j for j in range(s.n)] if s.n > 1
-                                    else [last[s.id]])]
+    for plan in schedule(prompts):
+        plan.token_ids = [(last[s.id] + j) % 500 for s in plan.seqs for j in range(s.n)]
         meta = runner.apply(plan)
         hidden = runner.forward(plan, meta, None)
         ids, tokens = runner.sample(plan, meta, hidden)
@@ -59,7 +70,7 @@ def run(runner: ModelRunner) -> list[tuple[torch.Tensor, list[int]]]:
 
 
 def runner(exact: bool, kv: str = "device", graphs: bool = True, device: str = "cpu",
-           dtype: torch.dtype = torch.float32) -> ModelRunner:
+           dtype: torch.dtype = torch.float32, n_pages: int = 64) -> ModelRunner:
     """On a CUDA device the pieces are captured graphs and the host pool's copies go on a
     transfer stream; on the CPU the pieces run eagerly and copies go through the copy thread."""
     source = SyntheticSource("tiny")
@@ -67,13 +78,13 @@ def runner(exact: bool, kv: str = "device", graphs: bool = True, device: str = "
     stage = source.load_stage(0, a.n_layers, dtype, device)
     if exact:
         apply_exact(stage, device)
-    shape = (a.n_layers, 64, PAGE, a.n_kv_heads, a.head_dim)
+    shape = (a.n_layers, n_pages, PAGE, a.n_kv_heads, a.head_dim)
     if kv == "host":
         transport = CudaTransport(device, 0.5) if device != "cpu" else CpuTransport(0.5)
         pool = HostKVPool(*shape, dtype, device, exact=exact, depth=1, transport=transport)
     else:
         pool = KVPool(*shape, dtype, device, exact=exact)
-    pieces = DecodeGraphs(stage, device, capture=device != "cpu") if graphs else None
+    pieces = DecodeGraphs(stage, pool, device, capture=device != "cpu") if graphs else None
     return ModelRunner(stage, pool, ParkStore(pool, 4), device, pieces)
 
 
@@ -107,9 +118,11 @@ def test_only_decode_steps_that_fit_a_bucket_use_the_pieces():
 
 def test_capture_needs_a_cuda_device():
     source = SyntheticSource("tiny")
-    stage = source.load_stage(0, source.args.n_layers, torch.float32, "cpu")
+    a = source.args
+    stage = source.load_stage(0, a.n_layers, torch.float32, "cpu")
+    pool = KVPool(a.n_layers, 8, PAGE, a.n_kv_heads, a.head_dim, torch.float32, "cpu")
     with pytest.raises(ValueError, match="cuda device"):
-        DecodeGraphs(stage, "cpu")
+        DecodeGraphs(stage, pool, "cpu")
 
 
 def test_prepare_builds_every_bucket_a_batch_limit_can_use():

@@ -9,6 +9,10 @@ from __future__ import annotations
 import functools
 from types import ModuleType
 
+# Key positions per split of the CUDA paged attention (`exact_triton.SPLIT`); the decode graphs
+# size their buffers by it without importing Triton.
+ATTENTION_SPLIT = 256
+
 
 @functools.cache
 def triton_kernels() -> ModuleType | None:

@@ -28,9 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+from . import ATTENTION_SPLIT
+
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 MATMUL_WARPS, MATMUL_STAGES = 4, 3
-SPLIT = 256  # key positions per attention split
+SPLIT = ATTENTION_SPLIT  # key positions per attention split
 BLOCK_KV = 32  # key positions per tile inside a split; divides SPLIT
 BLOCK_ROWS = 64  # (query position, head) rows per attention program
 
@@ -129,15 +131,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["max_splits"])
 def _attention_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, blocks_ptr, pos_ptr, m_ptr, l_ptr, o_ptr,
-    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_tb, page_size, max_splits,
+    q_ptr, k_ptr, v_ptr, tables_ptr, base_ptr, blocks_ptr, pos_ptr, m_ptr, l_ptr, o_ptr,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, page_size, max_splits,
     scale, H: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr, BLOCK_P: tl.constexpr,
     D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr,
 ):
     # One program: up to BLOCK_P query positions of one sequence (a block) x the REP query heads
-    # of one KV head, over split j of the keys. Tile rows are (position, head) pairs.
+    # of one KV head, over split j of the keys. Tile rows are (position, head) pairs. A block is
+    # (where its sequence's pages start in the flat tables, first row, rows); a page id read
+    # there is offset by *base_ptr (the layer's slot in a staging ring, else 0).
     qb, kvh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b = tl.load(blocks_ptr + 3 * qb).to(tl.int64)
+    table = tl.load(blocks_ptr + 3 * qb)
+    base = tl.load(base_ptr)
     row0 = tl.load(blocks_ptr + 3 * qb + 1)
     n = tl.load(blocks_ptr + 3 * qb + 2)
     r = tl.arange(0, BLOCK_P * REP_P2)
@@ -158,8 +163,8 @@ def _attention_split_kernel(
         # as it was (alpha = 1, p = 0), so a row gets the bits it gets alone in a block of one.
         for s0 in range(start, tl.minimum(start + SPLIT, last + 1), BLOCK_KV):
             offs = s0 + tl.arange(0, BLOCK_KV)
-            page = tl.load(tables_ptr + b * stride_tb + offs // page_size, mask=offs <= last,
-                           other=0)
+            page = base + tl.load(tables_ptr + table + offs // page_size, mask=offs <= last,
+                                  other=0)
             base = page.to(tl.int64) * stride_kp + (offs % page_size) * stride_ks \
                 + kvh * stride_kh
             kv_mask = (offs <= last)[:, None]
@@ -185,7 +190,8 @@ def _attention_combine_kernel(m_ptr, l_ptr, o_ptr, row_pos_ptr, out_ptr, stride_
                               max_splits, H: tl.constexpr, D: tl.constexpr,
                               SPLIT: tl.constexpr):
     t, h = tl.program_id(0), tl.program_id(1)
-    n = tl.load(row_pos_ptr + t) // SPLIT + 1  # this row's splits, combined in logical order
+    pos = tl.load(row_pos_ptr + t)  # -1: a padding row (its output is zeros)
+    n = tl.where(pos < 0, 0, pos // SPLIT + 1)  # this row's splits, combined in logical order
     base = (t.to(tl.int64) * H + h) * max_splits
     d = tl.arange(0, D)
     m = tl.full((), float("-inf"), tl.float32)
@@ -198,21 +204,24 @@ def _attention_combine_kernel(m_ptr, l_ptr, o_ptr, row_pos_ptr, out_ptr, stride_
         l_sum += tl.load(l_ptr + base + j) * w
         acc += tl.load(o_ptr + (base + j) * D + d) * w
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d,
-             (acc / l_sum).to(out_ptr.dtype.element_ty))
+             tl.where(l_sum > 0, acc / l_sum, 0.0).to(out_ptr.dtype.element_ty))
 
 
 def _step_blocks(meta, block_p: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks of at most `block_p` rows of one sequence, [n_blocks, 3] (sequence, first row,
-    rows), and the page tables padded to [B, max pages]: built once a step and kept on its
-    meta, since every layer's launches read the same."""
+    """Blocks of at most `block_p` rows of one sequence, [n_blocks, 3] (start of the sequence's
+    pages in the flat tables, first row, rows), and the flat tables (every sequence's page
+    table end to end): built once a step and kept on its meta, since every layer's launches read
+    the same."""
     cache = meta.__dict__.setdefault("_exact_blocks", {})
     if block_p not in cache:
-        starts = meta.query_starts
-        blocks = [(b, r, min(block_p, starts[b + 1] - r)) for b in range(meta.n_seqs)
-                  for r in range(starts[b], starts[b + 1], block_p)]
+        starts, table_starts = meta.query_starts, [0]
+        for t in meta.page_tables:
+            table_starts.append(table_starts[-1] + t.numel())
+        blocks = [(table_starts[b], r, min(block_p, starts[b + 1] - r))
+                  for b in range(meta.n_seqs) for r in range(starts[b], starts[b + 1], block_p)]
         dev = meta.positions.device
-        cache[block_p] = (torch.tensor(blocks, dtype=torch.int32, device=dev),
-                          torch.nn.utils.rnn.pad_sequence(meta.page_tables, batch_first=True))
+        cache[block_p] = (torch.tensor(blocks, dtype=torch.int64, device=dev),
+                          torch.cat(meta.page_tables))
     return cache[block_p]
 
 
@@ -223,32 +232,55 @@ def _split_scratch(meta, t: int, h: int, d: int, max_splits: int, dev: torch.dev
     cache = meta.__dict__.setdefault("_exact_scratch", {})
     key = (t, h, d, max_splits, dev)
     if key not in cache:
-        m = torch.empty(t, h, max_splits, dtype=torch.float32, device=dev)
-        cache[key] = (m, torch.empty_like(m),
-                      torch.empty(t, h, max_splits, d, dtype=torch.float32, device=dev))
+        cache[key] = split_scratch(t, h, d, max_splits, dev)
     return cache[key]
+
+
+def split_scratch(t: int, h: int, d: int, max_splits: int, dev: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m = torch.empty(t, h, max_splits, dtype=torch.float32, device=dev)
+    return m, torch.empty_like(m), torch.empty(t, h, max_splits, d, dtype=torch.float32,
+                                               device=dev)
+
+
+@functools.cache
+def _zero(dev: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int64, device=dev)
+
+
+def block_rows(q_heads: int, kv_heads: int) -> int:
+    """Query positions per attention program (a decode row is a block of one of them)."""
+    return max(1, BLOCK_ROWS // triton.next_power_of_2(q_heads // kv_heads))
 
 
 def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
     """Same contract as `worker.attention.paged_attention`; q: [T, H, D], D a power of two."""
     t, h, d = q.shape
     q = q.contiguous()
-    dev = q.device
-    rep = h // k_pool.shape[2]
-    rep_p2 = triton.next_power_of_2(rep)
-    block_p = max(1, BLOCK_ROWS // rep_p2)
-    blocks, tables = _step_blocks(meta, block_p)
+    blocks, tables = _step_blocks(meta, block_rows(h, k_pool.shape[2]))
     max_splits = triton.cdiv(max(meta.context_lens), SPLIT)
-    m, l_split, o = _split_scratch(meta, t, h, d, max_splits, dev)
+    scratch = _split_scratch(meta, t, h, d, max_splits, q.device)
     out = torch.empty_like(q)
-    if t == 0:
-        return out
-    _attention_split_kernel[(blocks.shape[0], k_pool.shape[2], max_splits)](
-        q, k_pool, v_pool, tables, blocks, meta.positions, m, l_split, o,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        tables.stride(0), k_pool.shape[1], max_splits, scale,
-        H=h, REP=rep, REP_P2=rep_p2, BLOCK_P=block_p, D=d, SPLIT=SPLIT, BLOCK_KV=BLOCK_KV,
-    )
-    _attention_combine_kernel[(t, h)](m, l_split, o, meta.positions, out, out.stride(0),
-                                      out.stride(1), max_splits, H=h, D=d, SPLIT=SPLIT)
+    if t:
+        launch(q, k_pool, v_pool, tables, _zero(q.device), blocks, meta.positions, scratch,
+               out, scale)
     return out
+
+
+def launch(q, k_pool, v_pool, tables, base, blocks, positions, scratch, out, scale: float) -> None:
+    """The two launches of a paged attention over explicit buffers, each sized by the caller:
+    what a captured decode graph replays (worker/cuda_graphs.py). q, out: [T, H, D]; tables:
+    flat page ids, each offset by base [1]; blocks: [n, 3] as `_step_blocks`; positions: [T]
+    (-1: a padding row); scratch: `split_scratch(T, H, D, splits)`, splits covering every key."""
+    t, h, d = q.shape
+    rep = h // k_pool.shape[2]
+    m, l_split, o = scratch
+    max_splits = m.shape[2]
+    _attention_split_kernel[(blocks.shape[0], k_pool.shape[2], max_splits)](
+        q, k_pool, v_pool, tables, base, blocks, positions, m, l_split, o,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        k_pool.shape[1], max_splits, scale, H=h, REP=rep, REP_P2=triton.next_power_of_2(rep),
+        BLOCK_P=block_rows(h, k_pool.shape[2]), D=d, SPLIT=SPLIT, BLOCK_KV=BLOCK_KV,
+    )
+    _attention_combine_kernel[(t, h)](m, l_split, o, positions, out, out.stride(0),
+                                      out.stride(1), max_splits, H=h, D=d, SPLIT=SPLIT)
