@@ -142,7 +142,7 @@ def _attention_split_kernel(
     # there is offset by *base_ptr (the layer's slot in a staging ring, else 0).
     qb, kvh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     table = tl.load(blocks_ptr + 3 * qb)
-    base = tl.load(base_ptr)
+    page_base = tl.load(base_ptr)
     row0 = tl.load(blocks_ptr + 3 * qb + 1)
     n = tl.load(blocks_ptr + 3 * qb + 2)
     r = tl.arange(0, BLOCK_P * REP_P2)
@@ -163,7 +163,7 @@ def _attention_split_kernel(
         # as it was (alpha = 1, p = 0), so a row gets the bits it gets alone in a block of one.
         for s0 in range(start, tl.minimum(start + SPLIT, last + 1), BLOCK_KV):
             offs = s0 + tl.arange(0, BLOCK_KV)
-            page = base + tl.load(tables_ptr + table + offs // page_size, mask=offs <= last,
+            page = page_base + tl.load(tables_ptr + table + offs // page_size, mask=offs <= last,
                                   other=0)
             base = page.to(tl.int64) * stride_kp + (offs % page_size) * stride_ks \
                 + kvh * stride_kh
