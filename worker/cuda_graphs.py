@@ -33,11 +33,11 @@ attention function.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -185,6 +185,7 @@ class StepGraph:
         self.qkv: list[tuple[torch.Tensor, ...]] = []  # each layer's q, k, v
         self.keep: list[Any] = []  # every piece's outputs: memory no later capture may reuse
         self.pieces: list[Callable[[], None]] = []
+        self.captured: list[torch.cuda.CUDAGraph] = []
         layers = stage.layers
         n = len(layers)
 
@@ -203,6 +204,14 @@ class StepGraph:
             return piece
 
         self.fns = [first, *(layer(i) for i in range(n))]
+
+    def release(self) -> None:
+        """Free the captured graphs now: the closures above make this object a reference cycle,
+        which the garbage collector could otherwise free in the middle of a later capture (a
+        graph destroyed during a capture breaks it)."""
+        for graph in self.captured:
+            graph.reset()
+        self.captured, self.pieces, self.fns, self.keep = [], [], [], []
 
 
 class DecodeGraphs:
@@ -280,6 +289,8 @@ class DecodeGraphs:
         """Drop graphs captured against buffers the pool has since replaced."""
         key = self.kv.graph_key()
         if key != self._key:
+            for g in self.graphs.values():
+                g.release()
             self.graphs.clear()
             self._key = key
         return key is not None
@@ -301,6 +312,14 @@ class DecodeGraphs:
         # compilation and the allocator's first blocks all happen outside the capture. The
         # buffers hold a step without rows, which writes only the spare page.
         g.buffers.clear()
+        gc.collect()  # and no collection during the capture: see StepGraph.release
+        gc.disable()
+        try:
+            return self._capture_pieces(g)
+        finally:
+            gc.enable()
+
+    def _capture_pieces(self, g: StepGraph) -> list[Callable[[], None]]:
         stream = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(stream)
@@ -319,9 +338,7 @@ class DecodeGraphs:
             # reset by it
             g.keep.append((g.x, g.rope, list(g.qkv), g.buffers.write_page,
                            g.buffers.write_offset))
-            pieces.append(partial(_replay, graph))
+            g.captured.append(graph)
+            pieces.append(graph.replay)
         return pieces
 
-
-def _replay(graph: torch.cuda.CUDAGraph) -> None:
-    graph.replay()

@@ -229,12 +229,11 @@ class HostLayerView:
         """The layer's slot (k, v) [n, page, KVH, D] once delivered, holding the last step's rows
         where it came primed."""
         pool = self.pool
-        k_slot, v_slot = pool.ring.acquire(self.layer)
+        slot = pool.ring.acquire(self.layer)  # [n, 2, page, KVH, D]
         if self.layer < pool.primed:
-            rows, pages, offsets = pool.patch
-            k_slot[pages, offsets] = rows[self.layer, 0]
-            v_slot[pages, offsets] = rows[self.layer, 1]
-        return k_slot, v_slot
+            rows, pages, offsets = pool.patch  # rows: [L, 2, T, KVH, D]
+            slot.transpose(1, 2)[pages, offsets] = rows[self.layer].transpose(0, 1)
+        return slot[:, 0], slot[:, 1]
 
     def leave(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """The layer's new rows (for the write-back) are written and its attention enqueued."""

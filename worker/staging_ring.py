@@ -14,11 +14,12 @@ Ring path, for layer l and m = l + depth (issued once layer l's attention is enq
 With depth + 2 slots, layer m recycles the slot of layer l - 2, so a delivery never queues
 behind the layer just enqueued or the one before it, which a device may still be running.
 Recycling is ordered stream to stream; the host never blocks on a slot. Slots are numbered across
-steps, so deliveries past the last layer can be the next step's first layers (priming): for the
-same window, issued after this step's write-back, used if the next step's batch continues this
-one on the same pages (the caller writes this step's rows, which the host did not have yet, into
-those slots). Everything the compute side does to a slot follows a wait on a delivery queued
-after any prime still landing, except on the ordered path, which drains the primes first.
+steps, so deliveries past the last layer can be the next step's first layers (priming, one per
+slot): for the same window, issued after this step's write-back, used if the next step's batch
+continues this one on the same pages (the caller writes this step's rows, which the host did not
+have yet, into those slots). Everything the compute side does to a slot follows a wait on a
+delivery queued after any prime still landing, except on the ordered path, which drains the
+primes first.
 
 Ordered path (depth 0, or a declined step): copy then attend, one slot, on the compute side.
 A step declines when its ring would pass the budget or its device lacks headroom for it, for
@@ -107,11 +108,11 @@ class StagingRing:
         # Slots are numbered across steps (layer l of a step takes slot (base + l) % n_slots), so
         # a layer primed for the next step follows the same ring order as any other delivery.
         self.base = 0
+        self.issued = 0  # layers of this step below it are delivered or delivering
         self._windows = 0  # layer windows moved this step
         self.runs: list[Run] = []
         self.n = 0
         self.slots: list[torch.Tensor] = []
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
     def capacity(self) -> int:
@@ -153,43 +154,44 @@ class StagingRing:
         self._fit(n * slots)
         primed = primed and self.ahead and moved == self.stats.reallocations
         self.slots = [self.buf[i * n:(i + 1) * n] for i in range(slots)]
-        self.kv = [(s[:, 0], s[:, 1]) for s in self.slots]
         self.prime_next = prime_next and self.ahead and self.depth < self.n_layers
         if not self.ahead:
             self.stats.ordered_steps += 1
             return 0
         self.stats.ring_steps += 1
         self.stats.primed_steps += primed
-        first = self.depth if primed else 0  # only a depth below n_layers is ever primed
+        first = self.n_slots if primed else 0  # only a depth below n_layers is ever primed
         for m in range(first, min(self.depth, self.n_layers)):
             self._deliver(m)
+        self.issued = max(first, self.depth)
         return first
 
-    def acquire(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s window in its slot, once it has landed: (k, v) [n, page, KVH, D]."""
+    def acquire(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s window in its slot, once it has landed: [n, 2, page, KVH, D]."""
         if not self.ahead:
             slot, host = self.slots[0], self.host[layer]
             for start, count, off in self.runs:
                 slot[off:off + count].copy_(host[start:start + count], non_blocking=True)
             self._windows += 1
-            return self.kv[0]
+            return slot
         s = (self.base + layer) % self.n_slots
         self.transport.wait(self.ready[s])
-        return self.kv[s]
+        return self.slots[s]
 
     def release_slot(self, layer: int) -> None:
         """Layer `layer`'s attention is enqueued: free its slot, deliver layer + depth."""
         if self.ahead:
             self.transport.record(self.release[(self.base + layer) % self.n_slots])
-            if layer + self.depth < self.n_layers:
+            if self.issued <= layer + self.depth < self.n_layers:
                 self._deliver(layer + self.depth)
 
     def prime(self) -> None:
         """After the step's last layer (and its write-back): deliver the next step's first
-        layers for this window, if `begin_step` was asked to. They land while the host finishes
-        this step and plans the next; nothing waits for them but the layers that use them."""
+        layers for this window, one per slot, if `begin_step` was asked to. They land while the
+        host finishes this step and plans the next, the link's time between steps; nothing waits
+        for them but the layers that use them."""
         if self.prime_next:
-            for m in range(self.n_layers, self.n_layers + self.depth):
+            for m in range(self.n_layers, self.n_layers + self.n_slots):
                 self._deliver(m)
             self.primed = self.runs
 
@@ -270,7 +272,7 @@ class StagingRing:
             spare = self.free_bytes() + cap * self.page_bytes - HEADROOM_BYTES
             if target * self.page_bytes > spare:
                 target = need
-        self.buf, self.slots, self.kv = None, [], []  # the old buffer goes before the new comes
+        self.buf, self.slots = None, []  # the old buffer goes before the new comes
         # zeros, not empty: no slot ever holds NaN garbage, not even where a mask hides it
         self.buf = torch.zeros((target + 1, *self.host.shape[2:]), dtype=self.host.dtype,
                                device=self.device)

@@ -124,7 +124,8 @@ class CheckedTransport(CpuTransport):
     """Checks the ring's event protocol as it is issued. A slot goes filled -> read -> released
     -> filled ...: a fill waits for the slot's release event and needs every read of the slot
     released (a fill nobody read, a discarded prime, may be filled over); a read needs a fill;
-    no more than `depth` fills are unread at any time."""
+    while a step's own deliveries run, no more than `depth` fills are unread; a step's primes
+    for the next fill every slot."""
 
     def __init__(self, delay_ms: float = 0.0):
         super().__init__(delay_ms)
@@ -139,6 +140,14 @@ class CheckedTransport(CpuTransport):
         self.ring = ring
         self.state = ["released"] * ring.n_slots
         self.reads = 0
+        prime = ring.prime
+
+        def priming():
+            self.priming = True
+            prime()
+            self.priming = False
+        self.priming = False
+        ring.prime = priming
 
     def copy(self, pairs, after=None, then=None):
         s = self._slot(then, "ready")
@@ -147,8 +156,14 @@ class CheckedTransport(CpuTransport):
             assert self.state[s] in ("released", "filled"), f"slot {s} refilled while read"
             self.state[s] = "filled"
             ahead = self.state.count("filled")
-            assert ahead <= self.ring.depth, f"{ahead} layers in flight, depth {self.ring.depth}"
+            limit = self.ring.n_slots if self.priming or self.primed_unread() else self.ring.depth
+            assert ahead <= limit, f"{ahead} layers in flight, depth {self.ring.depth}"
         super().copy(pairs, after, then)
+
+    def primed_unread(self) -> bool:
+        """Whether fills made by the last primes (used or discarded) may still be unread: until
+        a step's first n_slots layers are read, every slot has been filled again since."""
+        return self.reads % LAYERS < self.ring.n_slots
 
     def wait(self, ev):
         s = self._slot(ev, "ready")
