@@ -292,6 +292,8 @@ class DecodeGraphs:
             for g in self.graphs.values():
                 g.release()
             self.graphs.clear()
+            if self.capture:  # the released graphs' memory pool may not be captured into again
+                self.pool = torch.cuda.graph_pool_handle()
             self._key = key
         return key is not None
 
