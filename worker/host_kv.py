@@ -217,7 +217,8 @@ class HostLayerView:
         pool = self.pool
         assert meta is pool.step, "attend outside the step begun with begin_step"
         sm = pool.meta
-        k_slot, v_slot = self.enter()
+        slot = self.enter()
+        k_slot, v_slot = slot[:, 0], slot[:, 1]
         k, v = k.to(k_slot.dtype), v.to(v_slot.dtype)
         k_slot[sm.write_pages, sm.write_offsets] = k
         v_slot[sm.write_pages, sm.write_offsets] = v
@@ -225,15 +226,15 @@ class HostLayerView:
         self.leave(k, v)
         return out
 
-    def enter(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's slot (k, v) [n, page, KVH, D] once delivered, holding the last step's rows
+    def enter(self) -> torch.Tensor:
+        """The layer's slot [n, 2, page, KVH, D] once delivered, holding the last step's rows
         where it came primed."""
         pool = self.pool
         slot = pool.ring.acquire(self.layer)  # [n, 2, page, KVH, D]
         if self.layer < pool.primed:
             rows, pages, offsets = pool.patch  # rows: [L, 2, T, KVH, D]
             slot.transpose(1, 2)[pages, offsets] = rows[self.layer].transpose(0, 1)
-        return slot[:, 0], slot[:, 1]
+        return slot
 
     def leave(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """The layer's new rows (for the write-back) are written and its attention enqueued."""
