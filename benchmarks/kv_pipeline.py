@@ -54,6 +54,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 KV_SEED = 0
 FIRST_TOKEN = 1000
 PROFILE_STEPS = 4  # a trace of more is too large to be read comfortably
+PHASES = ("apply", "forward", "sample", "device forward")
 
 
 @dataclass
@@ -67,14 +68,35 @@ class Arm:
     steps: int = 0
     tokens: list[int] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)  # one sample per round
+    # seconds summed over timed steps: host time in apply, in forward (enqueueing the step), in
+    # sample (the wait for the device included), and the device's time from the forward's
+    # first enqueued work to its last (CUDA events)
+    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    timed: int = 0
 
-    def step(self) -> None:
+    def step(self, timed: bool = False) -> None:
         first = self.steps == 0
         plan = Step(step=self.steps, token_ids=[self.token], seqs=[SeqPlan(
             id=1, start=self.position, n=1, pages_add=self.pages if first else [], sample=True)])
+        cuda = self.runner.device.type == "cuda"
+        t0 = time.perf_counter()
         meta = self.runner.apply(plan)
+        t1 = time.perf_counter()
+        if cuda:
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record()
         hidden = self.runner.forward(plan, meta, None)
+        if cuda:
+            events[1].record()
+        t2 = time.perf_counter()
         _, (self.token,) = self.runner.sample(plan, meta, hidden)  # waits for the device
+        t3 = time.perf_counter()
+        if timed:
+            self.timed += 1
+            for name, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
+                self.phases[name] += seconds
+            if cuda:
+                self.phases["device forward"] += events[0].elapsed_time(events[1]) / 1e3
         self.tokens.append(self.token)
         self.position += 1
         self.steps += 1
@@ -82,7 +104,7 @@ class Arm:
     def round(self, steps: int) -> float:
         t0 = time.perf_counter()
         for _ in range(steps):
-            self.step()
+            self.step(timed=True)
         return (time.perf_counter() - t0) / steps
 
 
@@ -194,7 +216,9 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread,
         rec: dict[str, Any] = {"step_s": t, "tokens_per_s": 1 / t.median,
                                "over_ordered": ordered_time / t.median,
                                "of_ceiling": ceiling / t.median,
-                               "effective_bytes_per_s": kv_bytes / t.median}
+                               "effective_bytes_per_s": kv_bytes / t.median,
+                               "phase_s_per_step": {k: v / max(arm.timed, 1)
+                                                    for k, v in arm.phases.items()}}
         if isinstance(arm.pool, HostKVPool):
             ring = arm.pool.ring
             arm.pool.settle()
@@ -257,6 +281,16 @@ def table(points: list[dict[str, Any]], link: Spread) -> str:
     return format_table(headers, rows)
 
 
+def phase_table(points: list[dict[str, Any]]) -> str:
+    """Where a timed step's wall time goes, per arm: host time in each phase, and the device's
+    span of the forward (longer than its host time: the step is the device's or the link's)."""
+    arms = [(p["context"] if i == 0 else "", name, r["phase_s_per_step"])
+            for p in points for i, (name, r) in enumerate(p["arms"].items())]
+    phases = PHASES if any(t["device forward"] for *_, t in arms) else PHASES[:-1]  # CUDA only
+    rows = [[c, name, *(f"{t[k] * 1e3:.2f}" for k in phases)] for c, name, t in arms]
+    return format_table(["context", "arm", *(f"{k} ms" for k in phases)], rows)
+
+
 def main(argv: list[str]) -> None:
     a = parse_args(argv)
     if a.threads:
@@ -295,6 +329,7 @@ def main(argv: list[str]) -> None:
                f"{machine_info(a.device)['device_name']}", "context (tokens)", "tokens/s")
     print(f"pinned link h2d {link.text(1e-9, 1)} GB/s")
     print(table(points, link))
+    print(phase_table(points))
     print("identical tokens in every arm: " + ", ".join(
         f"{p['context']}: {p['identical_tokens']}" for p in points))
     print(f"wrote {json_path} and {png_path}")
