@@ -91,6 +91,9 @@ class HostKVPool:
         # where they go in the slot (pages, offsets)
         self.patch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # the last step's (pages used, write pages) and what `_pack` made of them: a decode
+        # step that adds no page reuses them (read-only on the device)
+        self._layout: tuple | None = None
         self._batch: tuple | None = None  # (seq ids, pages used, context lengths) of this step
         self._prev: tuple | None = None  # the same, of the last step that completed
         self._write: tuple[torch.Tensor, torch.Tensor] | None = None  # host (pages, offsets)
@@ -140,18 +143,14 @@ class HostKVPool:
         self.settle()
         p = self.page_size
         used = [t[: -(-c // p)] for t, c in zip(tables.values(), meta.context_lens)]
-        runs = pack(sorted(set(chain.from_iterable(used))), self.bridge)
-        where: dict[int, int] = {}
-        for start, count, off in runs:
-            where.update(zip(range(start, start + count), range(off, off + count)))
         pages, offsets = [], []
         for b, (table, ctx) in enumerate(zip(used, meta.context_lens)):
             for pos in range(ctx - (meta.query_starts[b + 1] - meta.query_starts[b]), ctx):
                 pages.append(table[pos // p])
                 offsets.append(pos % p)
-        *slot_tables, slot_writes = device_ints(
-            [[where[q] for q in table] for table in used] + [[where[q] for q in pages]],
-            self.device)
+        if self._layout is None or self._layout[0] != (used, pages):
+            self._layout = ((used, pages), self._pack(used, pages))
+        runs, slot_tables, slot_writes = self._layout[1]
         self.meta = replace(meta, page_tables=slot_tables, write_pages=slot_writes)
         self.step = meta
         self._write = (torch.tensor(pages), torch.tensor(offsets))
@@ -162,6 +161,18 @@ class HostKVPool:
         self._prev = None  # until this step completes
         self.primed = self.ring.begin_step(runs, reuse, prime_next=meta.decode_only)
         self.patch = self._last if self.primed else None
+
+    def _pack(self, used: list[list[int]], pages: list[int]) -> tuple:
+        """The window's runs, and the step's tables and write pages renumbered into the slot
+        (on the device)."""
+        runs = pack(sorted(set(chain.from_iterable(used))), self.bridge)
+        where: dict[int, int] = {}
+        for start, count, off in runs:
+            where.update(zip(range(start, start + count), range(off, off + count)))
+        *slot_tables, slot_writes = device_ints(
+            [[where[q] for q in table] for table in used] + [[where[q] for q in pages]],
+            self.device)
+        return runs, slot_tables, slot_writes
 
     def _continues(self, meta: BatchMeta) -> bool:
         """Whether this step's batch is the last one's, each sequence going on from where it
