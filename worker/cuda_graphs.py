@@ -58,7 +58,7 @@ class GraphLayer(Protocol):
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V pages this layer's attention reads, [pages, page, KVH, D], by address."""
 
-    def enter(self) -> None:
+    def enter(self) -> Any:
         """Before the layer's piece: what must precede its writes and reads (a slot's delivery)."""
 
     def leave(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -100,7 +100,7 @@ class StepBuffers:
     def __init__(self, rows: int, splits: int, stage: StageModel, pool: GraphPool,
                  device: torch.device, capture: bool):
         a = stage.args
-        self.rows, self.splits, self.pool = rows, splits, pool
+        self.rows, self.pool = rows, pool
         n_layers = len(pool.layers)
         # positions [rows] | attention positions [rows], -1 past the batch | blocks [rows, 3]
         # | page bases [layers]: one flat buffer, so one copy a step
