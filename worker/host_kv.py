@@ -134,8 +134,7 @@ class HostKVPool:
             # Primes for the next step may still be reading these pages: they are torn at
             # most where these rows land, and those are the bytes a primed layer writes in.
             host, _, pages, offsets = self._writeback  # host: [L, 2, T, KVH, D]
-            self.k[:, pages, offsets] = host[:, 0]
-            self.v[:, pages, offsets] = host[:, 1]
+            self.kv.transpose(2, 3)[:, pages, offsets] = host.transpose(1, 2)  # K and V at once
             self._writeback = None
         self._open = False
 
