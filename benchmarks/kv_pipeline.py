@@ -52,7 +52,7 @@ from .report import (
 SCENARIO = "kv-pipeline"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 KV_SEED = 0
-FIRST_TOKEN = 1000
+FIRST_TOKEN = 1000  # the decode's first input token (modulo the vocabulary)
 PROFILE_STEPS = 4  # a trace of more is too large to be read comfortably
 PHASES = ("apply", "forward", "sample", "device forward")
 
@@ -161,7 +161,8 @@ def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
     pages = list(range(n_pages))
     return [Arm(name, ModelRunner(stage, pool, ParkStore(pool, 1), device,
                                   DecodeGraphs(stage, pool, device) if graphs else None),
-                pool, pages, context) for name, pool in pools.items()]
+                pool, pages, context, token=FIRST_TOKEN % args.vocab_size)
+            for name, pool in pools.items()]
 
 
 def copy_seconds(pool: HostKVPool, n_pages: int, device: torch.device,
