@@ -53,7 +53,8 @@ class KVPool:
         """After the step's forward pass is enqueued."""
 
     # What a captured decode step needs (worker/cuda_graphs.py's GraphPool).
-    hooks = False  # its layers need nothing between pieces: a step is one graph
+    def piece_layers(self) -> int:
+        return len(self.layers)  # its layers need nothing between them: a step is one graph
 
     def graph_key(self) -> int:
         return 0  # the pages are never replaced
@@ -89,5 +90,8 @@ class LayerView:
     def enter(self) -> None:
         pass
 
-    def leave(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def leave(self) -> None:
+        pass
+
+    def launched(self, k: torch.Tensor, v: torch.Tensor) -> None:
         pass

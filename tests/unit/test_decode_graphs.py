@@ -5,6 +5,7 @@ not cover (prefill, mixed) still run eagerly."""
 
 import pytest
 import torch
+from ring_checks import CheckedTransport
 
 from protocol.messages import SeqPlan, Step
 from worker.cuda_graphs import MAX_ROWS, DecodeGraphs
@@ -18,8 +19,10 @@ from worker.transport import CpuTransport, CudaTransport
 
 PAGE = 4
 PROMPTS = {1: 9, 2: 5, 3: 13, 4: 2, 5: 7}  # sequence id -> prompt length
-# decode batches: 5 rows pad to 8, 3 to 4 (rows past them stale from the 5-row step), 1, 4, 2
-DECODES = [[1, 2, 3, 4, 5], [2, 4, 5], [3], [1, 2, 3, 4], [5, 1], [1, 2, 3, 4, 5]]
+# decode batches: 5 rows pad to 8, 3 to 4 (rows past them stale from the 5-row step), 1, 4, 2,
+# then one batch twice (a host pool's second step takes its first layers primed)
+DECODES = [[1, 2, 3, 4, 5], [2, 4, 5], [3], [1, 2, 3, 4], [5, 1], [1, 2, 3, 4, 5],
+           [1, 2, 3, 4, 5]]
 
 
 def schedule(prompts: dict[int, int] = PROMPTS) -> list[Step]:
@@ -70,9 +73,11 @@ def run(runner: ModelRunner, prompts: dict[int, int] = PROMPTS
 
 
 def runner(exact: bool, kv: str = "device", graphs: bool = True, device: str = "cpu",
-           dtype: torch.dtype = torch.float32, n_pages: int = 64) -> ModelRunner:
+           dtype: torch.dtype = torch.float32, n_pages: int = 64, depth: int = 1,
+           transport=None) -> ModelRunner:
     """On a CUDA device the pieces are captured graphs and the host pool's copies go on a
-    transfer stream; on the CPU the pieces run eagerly and copies go through the copy thread."""
+    transfer stream; on the CPU the pieces run eagerly and copies go through the copy thread
+    (or `transport`)."""
     source = SyntheticSource("tiny")
     a = source.args
     stage = source.load_stage(0, a.n_layers, dtype, device)
@@ -80,8 +85,9 @@ def runner(exact: bool, kv: str = "device", graphs: bool = True, device: str = "
         apply_exact(stage, device)
     shape = (a.n_layers, n_pages, PAGE, a.n_kv_heads, a.head_dim)
     if kv == "host":
-        transport = CudaTransport(device, 0.5) if device != "cpu" else CpuTransport(0.5)
-        pool = HostKVPool(*shape, dtype, device, exact=exact, depth=1, transport=transport)
+        if transport is None:
+            transport = CudaTransport(device, 0.5) if device != "cpu" else CpuTransport(0.5)
+        pool = HostKVPool(*shape, dtype, device, exact=exact, depth=depth, transport=transport)
     else:
         pool = KVPool(*shape, dtype, device, exact=exact)
     pieces = DecodeGraphs(stage, pool, device, capture=device != "cpu") if graphs else None
@@ -102,10 +108,19 @@ def test_pieces_keep_the_default_mode_tokens():
 
 
 @pytest.mark.parametrize("exact", [False, True])
-def test_host_kv_through_the_pieces_matches_device_kv_bit_for_bit(exact):
-    on_device, host = run(runner(exact)), run(runner(exact, kv="host"))
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_host_kv_through_the_pieces_matches_device_kv_bit_for_bit(exact, depth):
+    """Ring steps run in pieces of `depth` layers with the ring's waits and releases inside
+    them, or, when a step's waits are timed, one layer a piece with them between pieces; the
+    event protocol is checked as it is issued, every copy delayed."""
+    transport = CheckedTransport(0.5, timed=(False, False, True))
+    host_runner = runner(exact, kv="host", depth=depth, transport=transport)
+    transport.start(host_runner.pool.ring)
+    on_device, host = run(runner(exact)), run(host_runner)
     for (h1, t1), (h2, t2) in zip(on_device, host, strict=True):
         assert torch.equal(h1, h2) and t1 == t2
+    assert {span for _, _, span in host_runner.graphs.graphs} == {0, depth}
+    assert host_runner.pool.ring.stats.primed_steps > 0
 
 
 def test_only_decode_steps_that_fit_a_bucket_use_the_pieces():
