@@ -93,6 +93,10 @@ class GraphPool(Protocol):
         """How many layers one captured piece spans this step, their `enter` and `leave`
         inside; 0: one layer a piece, `enter` and `leave` run eagerly between pieces."""
 
+    def piece_spans(self) -> tuple[int, ...]:
+        """Every value `piece_layers` may take: a bucket's graphs for each are built together
+        (a step that needs one never waits for a capture after the first)."""
+
     def graph_key(self) -> Any:
         """Changes whenever a buffer a captured graph holds by address is replaced; None: the
         pool has no buffers yet."""
@@ -286,13 +290,11 @@ class DecodeGraphs:
         pool's ring) is captured on its first step."""
         if not self._current():
             return
-        span = self.kv.piece_layers()
         top, rows = self.bucket_rows(min(max_rows, MAX_ROWS)), 1
         while rows <= top:
             splits = 1
             while splits <= PREPARED_SPLITS:
-                if (rows, splits, span) not in self.graphs:
-                    self._build(rows, splits, span)
+                self._build(rows, splits)
                 splits *= 2
             rows *= 2
 
@@ -302,7 +304,9 @@ class DecodeGraphs:
         n = meta.n_seqs
         self._current()
         key = (self.bucket_rows(n), splits_bucket(max(meta.context_lens)), self.kv.piece_layers())
-        g = self.graphs.get(key) or self._build(*key)
+        if key not in self.graphs:
+            self._build(*key[:2])
+        g = self.graphs[key]
         g.buffers.fill(meta)
         g.inputs[:n].copy_(inputs)
         layers = self.kv.layers
@@ -330,19 +334,22 @@ class DecodeGraphs:
             self._key = key
         return key is not None
 
-    def _build(self, rows: int, splits: int, span: int) -> StepGraph:
-        g = StepGraph(self.stage, self.kv, rows, splits, span, self.device, self.dtype,
-                      self.capture)
-        if not self.capture:
-            g.pieces = [partial(run_all, fns) for fns in g.groups]
-        else:
-            t0 = time.perf_counter()
-            g.pieces = self._capture(g)
-            log.info("captured decode graphs for %d rows, %d splits, %d layers a piece (%d "
-                     "pieces) in %.2fs", rows, splits, span, len(g.pieces),
-                     time.perf_counter() - t0)
-        self.graphs[rows, splits, span] = g
-        return g
+    def _build(self, rows: int, splits: int) -> None:
+        """A bucket's graphs, for every span the pool may ask for."""
+        for span in self.kv.piece_spans():
+            if (rows, splits, span) in self.graphs:
+                continue
+            g = StepGraph(self.stage, self.kv, rows, splits, span, self.device, self.dtype,
+                          self.capture)
+            if not self.capture:
+                g.pieces = [partial(run_all, fns) for fns in g.groups]
+            else:
+                t0 = time.perf_counter()
+                g.pieces = self._capture(g)
+                log.info("captured decode graphs for %d rows, %d splits, %d layers a piece "
+                         "(%d pieces) in %.2fs", rows, splits, span, len(g.pieces),
+                         time.perf_counter() - t0)
+            self.graphs[rows, splits, span] = g
 
     def _capture(self, g: StepGraph) -> list[Callable[[], None]]:
         # Warm-up on a side stream, as torch.cuda.graphs asks: cuBLAS workspaces, Triton

@@ -119,6 +119,9 @@ class HostKVPool:
         ring = self.ring
         return min(ring.depth, ring.n_layers) if ring.ahead and not ring.timed else 0
 
+    def piece_spans(self) -> tuple[int, ...]:
+        return (min(self.ring.depth, self.ring.n_layers), 0) if self.ring.depth else (0,)
+
     def graph_key(self) -> tuple[int, int] | None:
         buf = self.ring.buf
         return None if buf is None else (buf.data_ptr(), buf.shape[0])
@@ -219,13 +222,14 @@ class HostKVPool:
         self._primed_rows = (rows, self.meta.write_pages, self.meta.write_offsets)
         self._prev = self._batch
         self._open = False
-        self.ring.prime(self._fix)
+        self.ring.prime(partial(self._fix, self._primed_rows))
         self.ring.count("writeback", rows.nbytes, 1)
         self.ring.end_step()
 
-    def _fix(self, layer: int, slot: torch.Tensor) -> None:
+    @staticmethod
+    def _fix(primed: tuple[torch.Tensor, ...], layer: int, slot: torch.Tensor) -> None:
         """On the transfer side, after a prime's copy: this step's rows into the slot."""
-        rows, pages, offsets = self._primed_rows  # rows: [L, 2, T, KVH, D]
+        rows, pages, offsets = primed  # rows: [L, 2, T, KVH, D]
         slot.transpose(1, 2)[pages, offsets] = rows[layer].transpose(0, 1)
 
     def _host_rows(self, numel: int) -> torch.Tensor:

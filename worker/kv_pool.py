@@ -56,6 +56,9 @@ class KVPool:
     def piece_layers(self) -> int:
         return len(self.layers)  # its layers need nothing between them: a step is one graph
 
+    def piece_spans(self) -> tuple[int, ...]:
+        return (len(self.layers),)
+
     def graph_key(self) -> int:
         return 0  # the pages are never replaced
 

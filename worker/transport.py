@@ -95,7 +95,11 @@ class CudaTransport:
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def event(self) -> torch.cuda.Event:
-        return torch.cuda.Event(external=True)
+        ev = torch.cuda.Event(external=True)
+        # A capture leaves out a wait on an event never recorded (it would not wait at all), so
+        # every event starts recorded.
+        ev.record(self.compute)
+        return ev
 
     def record(self, ev: torch.cuda.Event) -> None:
         ev.record(torch.cuda.current_stream(self.device))

@@ -1,6 +1,7 @@
 """Decode steps replayed from captured CUDA graphs, in bfloat16: bit for bit the eager forward in
 exact mode (Triton kernels), and with host KV (transfer stream, delayed copies) bit for bit the
-device pool in both modes. Skipped without a GPU."""
+device pool in both modes, also for a context already in the pool whose first step is a
+captured decode. Skipped without a GPU."""
 
 import pytest
 import torch
@@ -9,6 +10,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from unit.test_decode_graphs import pages_needed, run, runner  # noqa: E402
+
+from benchmarks.kv_pipeline import build_arms, parse_args  # noqa: E402
+from worker.loaders import resolve  # noqa: E402
+from worker.transport import DELAY_ENV  # noqa: E402
 
 DEV, DT = "cuda", torch.bfloat16
 LONG = {1: 700, 2: 300, 3: 530, 4: 260, 5: 45}  # contexts over several 256-key splits
@@ -49,6 +54,25 @@ def test_captured_graphs_over_several_splits_match_the_eager_forward_bit_for_bit
     eager = run(runner(True, graphs=False, device=DEV, dtype=DT, n_pages=n), LONG)
     r = runner(True, kv=kv, device=DEV, dtype=DT, n_pages=n)
     graphed = run(r, LONG)
-    assert {splits for _, splits in r.graphs.graphs} == {2, 4}
+    assert {splits for _, splits, _ in r.graphs.graphs} == {2, 4}
     for (h1, t1), (h2, t2) in zip(eager, graphed, strict=True):
         assert torch.equal(h1, h2) and t1 == t2
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_context_already_in_a_host_pool_decodes_from_its_first_step_in_captured_graphs(
+        monkeypatch, depth):
+    """The first step is a decode, so its graphs are captured before the ring has delivered
+    most layers even once (a capture drops a wait on an event never recorded); every copy is
+    delayed on the transfer stream, so a missing wait reads a slot before it lands."""
+    monkeypatch.setenv(DELAY_ENV, "0.3")
+    a = parse_args(["--model", "synthetic:tiny", "--depths", str(depth)])
+    source = resolve(a.model)
+    stage = source.load_stage(0, source.args.n_layers, DT, DEV)
+    arms = build_arms(stage, source.args, 1500, 24, DT, torch.device(DEV), a, graphs=True)
+    for arm in arms:
+        for _ in range(24):
+            arm.step()
+    device, ordered, pipelined = arms
+    assert pipelined.pool.ring.stats.ring_steps == 24
+    assert pipelined.tokens == device.tokens == ordered.tokens
