@@ -113,14 +113,14 @@ class HostKVPool:
     # What a captured decode step needs (worker/cuda_graphs.py's GraphPool): the ring buffer by
     # address, each layer's slot as a page base, and the ring's events as graph nodes.
     def piece_layers(self) -> int:
-        """Layers a captured piece spans: `depth` on the ring path (deliveries for the next
-        piece are issued once this one is enqueued), 0 on the ordered path (its copies run
-        between pieces) and on a step whose waits are timed."""
-        ring = self.ring
-        return min(ring.depth, ring.n_layers) if ring.ahead and not ring.timed else 0
+        """Layers a captured piece spans: 1 on the ring path, with the layer's wait and release
+        as graph nodes (pieces of several layers were measured slower: see
+        docs/kv-pipelining.md), 0 on the ordered path (its copies run between pieces) and on a
+        step whose waits are timed."""
+        return 1 if self.ring.ahead and not self.ring.timed else 0
 
     def piece_spans(self) -> tuple[int, ...]:
-        return (min(self.ring.depth, self.ring.n_layers), 0) if self.ring.depth else (0,)
+        return (1, 0) if self.ring.depth else (0,)
 
     def graph_key(self) -> tuple[int, int] | None:
         buf = self.ring.buf
