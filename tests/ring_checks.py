@@ -7,8 +7,8 @@ class CheckedTransport(CpuTransport):
     """Events are per layer; slots are where a layer lands this step. A slot goes filled -> read
     -> released -> filled ...: a fill waits for the release of the layer that read the slot last
     and needs that read released (a fill nobody read, a discarded prime, may be filled over); a
-    read needs a fill; while a step's own deliveries run, no more than `depth` fills are unread;
-    a step's primes for the next fill every slot.
+    read needs a fill (the layer reading it may wait again); while a step's own deliveries run,
+    no more than `depth` fills are unread; a step's primes for the next fill every slot.
 
     timed: what `timed_step` answers, in turn (a timed ring step runs its waits eagerly)."""
 
@@ -44,7 +44,7 @@ class CheckedTransport(CpuTransport):
         self.steps += 1
         return self.timed[(self.steps - 1) % len(self.timed)]
 
-    def copy(self, pairs, after=None, then=None, fix=None):
+    def copy(self, pairs, after=None, then=None):
         ring = self.ring
         if self._index(then, ring.ready) is not None:
             s = (pairs[0][0].data_ptr() - ring.buf.data_ptr()) // (ring.n * ring.page_bytes)
@@ -56,7 +56,7 @@ class CheckedTransport(CpuTransport):
             ahead = self.state.count("filled")
             limit = ring.n_slots if self.priming or self.primed_unread() else ring.depth
             assert ahead <= limit, f"{ahead} layers in flight, depth {ring.depth}"
-        super().copy(pairs, after, then, fix)
+        super().copy(pairs, after, then)
 
     def primed_unread(self) -> bool:
         """Whether fills made by the last primes (used or discarded) may still be unread: until
@@ -67,10 +67,11 @@ class CheckedTransport(CpuTransport):
         layer = self._index(ev, self.ring.ready)
         assert layer is not None, "the compute side waits only on ready events"
         s = self._slot(layer)
-        assert self.state[s] == "filled", f"slot {s} read without a fill"
+        again = self.state[s] == "read" and self.reader[s] == layer  # a primed layer's patch
+        assert self.state[s] == "filled" or again, f"slot {s} read without a fill"
         self.state[s] = "read"
         self.reader[s] = layer
-        self.reads += 1
+        self.reads += not again
         super().wait(ev)
 
     def record(self, ev):

@@ -22,17 +22,17 @@ A pool says how many layers one captured piece may span (`piece_layers`), with e
 `enter` (before its writes and reads) and `leave` (after its attention) captured inside it:
 
 - device KV: every layer, and `enter` / `leave` do nothing: a step is one replay;
-- host KV on the ring path: `depth` layers. `enter` waits for the layer's delivery and `leave`
-  records its slot's release, as event nodes on the ring's per-layer events (external events:
-  a node resolves its event at launch). Between pieces the host issues the next piece's
-  deliveries, whose events are therefore recorded before the launch that waits for them. At
-  depth 4 a step of 16 layers is 4 launches instead of 17;
+- host KV on the ring path: 1. `enter` waits for the layer's delivery and `leave` records its
+  slot's release, as event nodes on the ring's per-layer events (external events: a node
+  resolves its event at launch, so each delivery is issued before the launch that waits for
+  it). That leaves the host one launch a layer and no event calls;
 - host KV on the ordered path (copies on the compute side), or a ring step whose waits are
   timed: 0, one layer a piece, with `enter` and `leave` run eagerly between pieces.
 
-After a piece is enqueued each of its layers is `launched`: its new rows kept for the
-write-back, the next deliveries issued. A pool's buffers are captured by address: when a ring
-reallocates its buffer, the graphs are captured again.
+Before a piece each of its layers may `prepare` eagerly (a primed slot gets the last step's
+rows); after it is enqueued each is `launched`: its new rows kept for the write-back, the next
+deliveries issued. A pool's buffers are captured by address: when a ring reallocates its
+buffer, the graphs are captured again.
 
 The pieces run the same modules as the eager path (`Block.before_attention` /
 `after_attention`) and the same attention kernel, so a device pool and a host pool, one worker
@@ -76,6 +76,10 @@ class GraphLayer(Protocol):
     def leave(self) -> None:
         """After the last kernel that reads the layer's pages (a slot's release); captured
         unless the pool's `piece_layers` is 0."""
+
+    def prepare(self) -> None:
+        """Eagerly, before the piece holding the layer: what a capture cannot hold because it
+        happens on some steps only (a primed slot's missing rows)."""
 
     def launched(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """On the host, once the layer is enqueued: the step's new rows k, v [T, KVH, D]."""
@@ -311,6 +315,8 @@ class DecodeGraphs:
         g.inputs[:n].copy_(inputs)
         layers = self.kv.layers
         for piece, span in zip(g.pieces, g.spans, strict=True):
+            for i in span:
+                layers[i].prepare()
             eager = not g.span and span  # one layer, its hooks around the piece
             if eager:
                 layers[span[0]].enter()

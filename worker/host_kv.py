@@ -9,7 +9,8 @@ A step:
 - `begin_step` packs the batch's pages into the window and renumbers the step's page tables and
   write pages into the slot, once (never per layer); when the batch continues the last step's
   on the same pages, the ring's first layers were already delivered during the last step
-  (primed), with the last step's rows written into them on the transfer side;
+  (primed), and only lack the last step's rows, which each of those layers writes in from the
+  device before its piece (`prepare`);
 - each layer `enter`s (takes its slot from the ring), writes the step's new rows into it,
   attends over it with the same paged attention as the device pool, `leave`s (releases the slot)
   and, once that is enqueued, is `launched` (its rows kept, the next layers delivered); a
@@ -88,10 +89,11 @@ class HostKVPool:
         self.meta: BatchMeta | None = None  # the step's metadata, renumbered into the slot
         self.step: BatchMeta | None = None  # the step's metadata as the runner built it
         self.rows: list[torch.Tensor] = []  # k, v of each layer so far: [T, KVH, D] each
-        # the last step's rows [L, 2, T, KVH, D] on the device and their slot (pages, offsets),
-        # which the primes write in on the transfer side: held until the next step ends, by
-        # when the compute side has waited for a delivery queued after them
-        self._primed_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.primed = 0  # leading layers whose slots came primed from the last step
+        # what those slots lack: the last step's rows [L, 2, T, KVH, D] on the device, and
+        # where they go in the slot (pages, offsets)
+        self.patch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # the last step's (pages used, write pages) and what `_pack` made of them: a decode
         # step that adds no page reuses them (read-only on the device)
         self._layout: tuple | None = None
@@ -149,8 +151,8 @@ class HostKVPool:
             return
         self.ring.before_copy = None
         self.ring.settle(self._wb_done)
-        # Primes for the next step may have read these pages before: they are torn at most
-        # where these rows land, and those are the bytes the primes' fix writes in.
+        # Primes for the next step may be reading these pages: they are torn at most where
+        # these rows land, and those are the bytes a primed layer writes in (`prepare`).
         host, _, pages, offsets = self._writeback  # host: [L, 2, T, KVH, D]
         self.kv.transpose(2, 3)[:, pages, offsets] = host.transpose(1, 2)  # K and V at once
         self._writeback = None
@@ -178,7 +180,8 @@ class HostKVPool:
         self._prev = None  # until this step completes
         # the last step's rows reach the pages before anything copies from them
         self.ring.before_copy = self._land if self._writeback is not None else None
-        self.ring.begin_step(runs, reuse, prime_next=meta.decode_only)
+        self.primed = self.ring.begin_step(runs, reuse, prime_next=meta.decode_only)
+        self.patch = self._last if self.primed else None
 
     def _pack(self, used: list[list[int]], pages: list[int]) -> tuple:
         """The window's runs, and the step's tables and write pages renumbered into the slot
@@ -219,18 +222,12 @@ class HostKVPool:
             self.transport.copy([(host, rows)], after=self._wb_event, then=self._wb_done)
         # rows stays referenced until scattered: the copy may still be reading it
         self._writeback = (host, rows, *self._write)
-        self._primed_rows = (rows, self.meta.write_pages, self.meta.write_offsets)
+        self._last = (rows, self.meta.write_pages, self.meta.write_offsets)
         self._prev = self._batch
         self._open = False
-        self.ring.prime(partial(self._fix, self._primed_rows))
+        self.ring.prime()
         self.ring.count("writeback", rows.nbytes, 1)
         self.ring.end_step()
-
-    @staticmethod
-    def _fix(primed: tuple[torch.Tensor, ...], layer: int, slot: torch.Tensor) -> None:
-        """On the transfer side, after a prime's copy: this step's rows into the slot."""
-        rows, pages, offsets = primed  # rows: [L, 2, T, KVH, D]
-        slot.transpose(1, 2)[pages, offsets] = rows[layer].transpose(0, 1)
 
     def _host_rows(self, numel: int) -> torch.Tensor:
         """A flat host buffer for the step's rows; only replaced with the transfer side idle."""
@@ -254,6 +251,7 @@ class HostLayerView:
         pool = self.pool
         assert meta is pool.step, "attend outside the step begun with begin_step"
         sm = pool.meta
+        self.prepare()
         slot = self.enter()
         k_slot, v_slot = slot[:, 0], slot[:, 1]
         k, v = k.to(k_slot.dtype), v.to(v_slot.dtype)
@@ -263,6 +261,15 @@ class HostLayerView:
         self.leave()
         self.launched(k, v)
         return out
+
+    def prepare(self) -> None:
+        """Eagerly, before the layer's piece: a slot that came primed from the last step gets
+        that step's rows, which its pages lacked when it was copied."""
+        pool = self.pool
+        if self.layer < pool.primed:
+            slot = pool.ring.acquire(self.layer)  # [n, 2, page, KVH, D]
+            rows, pages, offsets = pool.patch  # rows: [L, 2, T, KVH, D]
+            slot.transpose(1, 2)[pages, offsets] = rows[self.layer].transpose(0, 1)
 
     def enter(self) -> torch.Tensor:
         """The layer's slot [n, 2, page, KVH, D], once delivered (on the ordered path, copied)."""

@@ -90,6 +90,9 @@ class LayerView:
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pool.k_buf[self.layer], self.pool.v_buf[self.layer]
 
+    def prepare(self) -> None:
+        pass
+
     def enter(self) -> None:
         pass
 

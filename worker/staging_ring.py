@@ -18,10 +18,10 @@ recycles the slot of layer l - 2, so a delivery never queues behind the layer ju
 the one before it, which a device may still be running. Recycling is ordered stream to stream;
 the host never blocks on a slot. Slots are numbered across steps, so deliveries past the last
 layer can be the next step's first layers (priming, one per slot): for the same window, issued
-after this step's write-back, with this step's rows written in on the transfer side (the host
-has not scattered them into its pages yet), used if the next step's batch continues this one on
-the same pages. Everything the compute side does to a slot follows a wait on a delivery queued
-after any prime still landing, except on the ordered path, which drains the primes first.
+after this step's write-back, used if the next step's batch continues this one on the same pages
+(the caller writes this step's rows, which the host did not have yet, into those slots).
+Everything the compute side does to a slot follows a wait on a delivery queued after any prime
+still landing, except on the ordered path, which drains the primes first.
 
 Ordered path (depth 0, or a declined step): copy then attend, one slot, on the compute side.
 A step declines when its ring would pass the budget or its device lacks headroom for it, for
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
@@ -144,7 +143,8 @@ class StagingRing:
         reuse: the caller vouches that the bytes primed during the last step are still this
         step's (same sequences, continuing, same pages); they are used if the window is the
         same too. prime_next: let `prime` deliver the next step's first layers for this window.
-        Returns how many leading layers come from the primed bytes."""
+        Returns how many leading layers come from the primed bytes (their slots lack the last
+        step's rows, which the caller writes in)."""
         in_flight = self.primed is not None  # primes may still be landing
         primed = reuse and self.primed == runs
         self.primed = None
@@ -197,15 +197,14 @@ class StagingRing:
                 self._deliver(self.issued)
                 self.issued += 1
 
-    def prime(self, fix: Callable[[int, torch.Tensor], None] | None = None) -> None:
+    def prime(self) -> None:
         """After the step's last layer (and its write-back): deliver the next step's first
-        layers for this window, one per slot, if `begin_step` was asked to; `fix(layer, slot)`
-        runs on the transfer side after each copy (the caller writes in this step's rows). They
-        land while the host finishes this step and plans the next, the link's time between
-        steps; nothing waits for them but the layers that use them."""
+        layers for this window, one per slot, if `begin_step` was asked to. They land while the
+        host finishes this step and plans the next, the link's time between steps; nothing waits
+        for them but the layers that use them."""
         if self.prime_next:
             for m in range(self.n_layers, self.n_layers + self.n_slots):
-                self._deliver(m, fix)
+                self._deliver(m)
             self.primed = self.runs
 
     def end_step(self) -> None:
@@ -239,7 +238,7 @@ class StagingRing:
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _deliver(self, m: int, fix: Callable[[int, torch.Tensor], None] | None = None) -> None:
+    def _deliver(self, m: int) -> None:
         """Layer m of this step into its slot (m >= n_layers: layer m - n_layers of the next),
         after the release of the layer that held the slot last."""
         self._owed()
@@ -249,7 +248,6 @@ class StagingRing:
         self.transport.copy(
             [(slot[off:off + count], host[start:start + count]) for start, count, off in self.runs],
             after=self.release[(m - self.n_slots) % self.n_layers], then=self.ready[layer],
-            fix=None if fix is None else partial(fix, layer, slot),
         )
 
     def _owed(self) -> None:

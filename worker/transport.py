@@ -22,7 +22,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -49,10 +49,8 @@ class Transport(Protocol):
     def wait(self, ev: Any) -> None:
         """Make the compute side wait for `ev`'s latest record."""
 
-    def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None,
-             fix: Callable[[], None] | None = None) -> None:
-        """On the transfer side: wait for `after`, copy each (dst, src), run `fix` (a few writes
-        into what was just copied), then record `then`."""
+    def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
+        """On the transfer side: wait for `after`, copy each (dst, src), then record `then`."""
 
     def timed_step(self) -> bool:
         """Called once a step: whether this step's compute-side waits must run eagerly to be
@@ -119,8 +117,7 @@ class CudaTransport:
         self._timing = self._sample() * WAIT_SAMPLE < 1
         return self._timing
 
-    def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None,
-             fix: Callable[[], None] | None = None) -> None:
+    def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
         s = self.stream
         if after is not None:
             s.wait_event(after)
@@ -132,8 +129,6 @@ class CudaTransport:
                 if self.delay_cycles:
                     torch.cuda._sleep(self.delay_cycles)
                 dst.copy_(src, non_blocking=True)
-            if fix is not None:
-                fix()
         finally:
             torch.cuda.set_stream(self.compute)
         if then is not None:
@@ -205,15 +200,14 @@ class CpuTransport:
         self._waited += time.perf_counter() - t0
         self._raise()
 
-    def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None,
-             fix: Callable[[], None] | None = None) -> None:
+    def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
         need = after.recorded if after is not None else 0
         gen = 0
         if then is not None:
             with then.cond:
                 then.recorded += 1
                 gen = then.recorded
-        self.queue.put((after, need, list(pairs), fix, then, gen))
+        self.queue.put((after, need, list(pairs), then, gen))
 
     def timed_step(self) -> bool:
         return False  # every wait is timed (it blocks this thread), captured or not
@@ -224,7 +218,7 @@ class CpuTransport:
 
     def synchronize(self) -> None:
         done = CpuEvent()
-        self.queue.put((None, 0, [], None, done, 1))
+        self.queue.put((None, 0, [], done, 1))
         done.wait_for(1)
         self._raise()
 
@@ -244,7 +238,7 @@ class CpuTransport:
         # The ring's buffers are made under inference mode; writing them needs it too.
         with torch.inference_mode():
             while (item := self.queue.get()) is not None:
-                after, need, pairs, fix, then, gen = item
+                after, need, pairs, then, gen = item
                 try:
                     if after is not None:
                         after.wait_for(need)
@@ -252,8 +246,6 @@ class CpuTransport:
                         if self.delay:
                             time.sleep(self.delay)
                         dst.copy_(src)
-                    if fix is not None:
-                        fix()
                 except BaseException as e:  # surfaced on the compute side's next wait
                     self.error = e
                 finally:
