@@ -18,21 +18,11 @@ up to the bucket (a power of two); a padding row writes its K and V into the poo
 attends to nothing and is dropped. The attention grid spans the bucket's splits (a power of two
 of 256-key splits); splits past a row's keys exit at once.
 
-A pool says how many layers one captured piece may span (`piece_layers`), with each layer's
-`enter` (before its writes and reads) and `leave` (after its attention) captured inside it:
-
-- device KV: every layer, and `enter` / `leave` do nothing: a step is one replay;
-- host KV on the ring path: 1. `enter` waits for the layer's delivery and `leave` records its
-  slot's release, as event nodes on the ring's per-layer events (external events: a node
-  resolves its event at launch, so each delivery is issued before the launch that waits for
-  it). That leaves the host one launch a layer and no event calls;
-- host KV on the ordered path (copies on the compute side), or a ring step whose waits are
-  timed: 0, one layer a piece, with `enter` and `leave` run eagerly between pieces.
-
-Before a piece each of its layers may `prepare` eagerly (a primed slot gets the last step's
-rows); after it is enqueued each is `launched`: its new rows kept for the write-back, the next
-deliveries issued. A pool's buffers are captured by address: when a ring reallocates its
-buffer, the graphs are captured again.
+With device KV the pieces are one graph: a step is one replay. With host KV the pool's hooks run
+between pieces: before layer l's piece waits for its slot to be delivered, after it records
+the slot's release and issues the next delivery, events a captured graph cannot wait on across
+steps. A pool's buffers are captured by address: when a ring reallocates its buffer, the graphs
+are captured again.
 
 The pieces run the same modules as the eager path (`Block.before_attention` /
 `after_attention`) and the same attention kernel, so a device pool and a host pool, one worker
@@ -48,7 +38,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -70,19 +59,10 @@ class GraphLayer(Protocol):
         """The K and V pages this layer's attention reads, [pages, page, KVH, D], by address."""
 
     def enter(self) -> Any:
-        """Before the layer's writes and reads (a wait for its slot's delivery); captured unless
-        the pool's `piece_layers` is 0."""
+        """Before the layer's piece: what must precede its writes and reads (a slot's delivery)."""
 
-    def leave(self) -> None:
-        """After the last kernel that reads the layer's pages (a slot's release); captured
-        unless the pool's `piece_layers` is 0."""
-
-    def prepare(self) -> None:
-        """Eagerly, before the piece holding the layer: what a capture cannot hold because it
-        happens on some steps only (a primed slot's missing rows)."""
-
-    def launched(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """On the host, once the layer is enqueued: the step's new rows k, v [T, KVH, D]."""
+    def leave(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """After it: the step's new rows k, v [T, KVH, D], and freeing what it read."""
 
 
 class GraphPool(Protocol):
@@ -92,14 +72,7 @@ class GraphPool(Protocol):
     page_size: int
     scale: float
     attention: Callable[..., torch.Tensor]
-
-    def piece_layers(self) -> int:
-        """How many layers one captured piece spans this step, their `enter` and `leave`
-        inside; 0: one layer a piece, `enter` and `leave` run eagerly between pieces."""
-
-    def piece_spans(self) -> tuple[int, ...]:
-        """Every value `piece_layers` may take: a bucket's graphs for each are built together
-        (a step that needs one never waits for a capture after the first)."""
+    hooks: bool  # whether the layers' enter/leave do anything (else one graph a step)
 
     def graph_key(self) -> Any:
         """Changes whenever a buffer a captured graph holds by address is replaced; None: the
@@ -197,9 +170,9 @@ class StepBuffers:
 
 
 class StepGraph:
-    """The buffers and pieces of one (row bucket, split bucket, layers a piece)."""
+    """The buffers and pieces of one (row bucket, split bucket)."""
 
-    def __init__(self, stage: StageModel, pool: GraphPool, rows: int, splits: int, span: int,
+    def __init__(self, stage: StageModel, pool: GraphPool, rows: int, splits: int,
                  device: torch.device, dtype: torch.dtype, capture: bool):
         a = stage.args
         self.buffers = b = StepBuffers(rows, splits, stage, pool, device, capture)
@@ -213,7 +186,7 @@ class StepGraph:
         self.keep: list[Any] = []  # every piece's outputs: memory no later capture may reuse
         self.pieces: list[Callable[[], None]] = []
         self.captured: list[torch.cuda.CUDAGraph] = []
-        layers, kv = stage.layers, pool.layers
+        layers = stage.layers
         n = len(layers)
 
         def first() -> None:
@@ -224,25 +197,13 @@ class StepGraph:
 
         def layer(i: int) -> Callable[[], None]:
             def piece() -> None:
-                if span:
-                    kv[i].enter()
                 attn = b.attend(i, *self.qkv[i])
-                if span:
-                    kv[i].leave()
                 self.x = layers[i].after_attention(self.x, attn)
                 if i + 1 < n:
                     self.qkv.append(layers[i + 1].before_attention(self.x, *self.rope))
             return piece
 
-        # each piece: its functions, and the layers it enqueues
-        self.span = span
-        if span:
-            self.spans = [list(range(k, min(k + span, n))) for k in range(0, n, span)]
-            self.groups = [[first] * (k == 0) + [layer(i) for i in ids]
-                           for k, ids in zip(range(0, n, span), self.spans)]
-        else:
-            self.groups = [[first], *([layer(i)] for i in range(n))]
-            self.spans = [[], *([i] for i in range(n))]
+        self.fns = [first, *(layer(i) for i in range(n))]
 
     def release(self) -> None:
         """Free the captured graphs now: the closures above make this object a reference cycle,
@@ -250,7 +211,7 @@ class StepGraph:
         graph destroyed during a capture breaks it)."""
         for graph in self.captured:
             graph.reset()
-        self.captured, self.pieces, self.groups, self.keep = [], [], [], []
+        self.captured, self.pieces, self.fns, self.keep = [], [], [], []
 
 
 class DecodeGraphs:
@@ -275,13 +236,13 @@ class DecodeGraphs:
             raise ValueError("CUDA graphs capture the Triton paged attention, which needs "
                              f"Triton and a power-of-two head size (not {head_dim})")
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.graphs: dict[tuple[int, int, int], StepGraph] = {}  # (rows, splits, span) ->
+        self.graphs: dict[tuple[int, int], StepGraph] = {}  # (rows, splits) -> graph
         self._key: Any = None  # the pool's graph_key the graphs were captured against
 
     @property
     def buckets(self) -> set[int]:
         """The row buckets built so far."""
-        return {rows for rows, _, _ in self.graphs}
+        return {rows for rows, _ in self.graphs}
 
     @staticmethod
     def bucket_rows(n: int) -> int | None:
@@ -298,7 +259,8 @@ class DecodeGraphs:
         while rows <= top:
             splits = 1
             while splits <= PREPARED_SPLITS:
-                self._build(rows, splits)
+                if (rows, splits) not in self.graphs:
+                    self._build(rows, splits)
                 splits *= 2
             rows *= 2
 
@@ -307,25 +269,20 @@ class DecodeGraphs:
         the caller checks `bucket_rows` first."""
         n = meta.n_seqs
         self._current()
-        key = (self.bucket_rows(n), splits_bucket(max(meta.context_lens)), self.kv.piece_layers())
-        if key not in self.graphs:
-            self._build(*key[:2])
-        g = self.graphs[key]
+        key = (self.bucket_rows(n), splits_bucket(max(meta.context_lens)))
+        g = self.graphs.get(key) or self._build(*key)
         g.buffers.fill(meta)
         g.inputs[:n].copy_(inputs)
-        layers = self.kv.layers
-        for piece, span in zip(g.pieces, g.spans, strict=True):
-            for i in span:
-                layers[i].prepare()
-            eager = not g.span and span  # one layer, its hooks around the piece
-            if eager:
-                layers[span[0]].enter()
-            piece()
-            if eager:
-                layers[span[0]].leave()
-            for i in span:
+        if not self.kv.hooks:
+            for piece in g.pieces:
+                piece()
+        else:
+            g.pieces[0]()
+            for i, (layer, piece) in enumerate(zip(self.kv.layers, g.pieces[1:], strict=True)):
+                layer.enter()
+                piece()
                 _, k, v = g.qkv[i]
-                layers[i].launched(k[:n], v[:n])
+                layer.leave(k[:n], v[:n])
         return g.x[:n].clone()  # the next replay overwrites g.x
 
     def _current(self) -> bool:
@@ -340,22 +297,17 @@ class DecodeGraphs:
             self._key = key
         return key is not None
 
-    def _build(self, rows: int, splits: int) -> None:
-        """A bucket's graphs, for every span the pool may ask for."""
-        for span in self.kv.piece_spans():
-            if (rows, splits, span) in self.graphs:
-                continue
-            g = StepGraph(self.stage, self.kv, rows, splits, span, self.device, self.dtype,
-                          self.capture)
-            if not self.capture:
-                g.pieces = [partial(run_all, fns) for fns in g.groups]
-            else:
-                t0 = time.perf_counter()
-                g.pieces = self._capture(g)
-                log.info("captured decode graphs for %d rows, %d splits, %d layers a piece "
-                         "(%d pieces) in %.2fs", rows, splits, span, len(g.pieces),
-                         time.perf_counter() - t0)
-            self.graphs[rows, splits, span] = g
+    def _build(self, rows: int, splits: int) -> StepGraph:
+        g = StepGraph(self.stage, self.kv, rows, splits, self.device, self.dtype, self.capture)
+        if not self.capture:
+            g.pieces = g.fns
+        else:
+            t0 = time.perf_counter()
+            g.pieces = self._capture(g)
+            log.info("captured decode graphs for %d rows, %d splits (%d pieces) in %.2fs", rows,
+                     splits, len(g.pieces), time.perf_counter() - t0)
+        self.graphs[rows, splits] = g
+        return g
 
     def _capture(self, g: StepGraph) -> list[Callable[[], None]]:
         # Warm-up on a side stream, as torch.cuda.graphs asks: cuBLAS workspaces, Triton
@@ -374,14 +326,16 @@ class DecodeGraphs:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(stream)
         with torch.cuda.stream(side):
-            for fns in g.groups:
-                run_all(fns)
+            for fn in g.fns:
+                fn()
         stream.wait_stream(side)
+        groups = [g.fns] if not self.kv.hooks else [[fn] for fn in g.fns]
         pieces = []
-        for fns in g.groups:
+        for fns in groups:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                run_all(fns)
+                for fn in fns:
+                    fn()
             # a replay rewrites these tensors in place; the attributes the pieces set are not
             # reset by it
             g.keep.append((g.x, g.rope, list(g.qkv), g.buffers.write_page,
@@ -390,8 +344,3 @@ class DecodeGraphs:
             pieces.append(graph.replay)
         return pieces
 
-
-
-def run_all(fns: list[Callable[[], None]]) -> None:
-    for fn in fns:
-        fn()

@@ -10,16 +10,13 @@ A step:
   write pages into the slot, once (never per layer); when the batch continues the last step's
   on the same pages, the ring's first layers were already delivered during the last step
   (primed), and only lack the last step's rows, which each of those layers writes in from the
-  device before its piece (`prepare`);
-- each layer `enter`s (takes its slot from the ring), writes the step's new rows into it,
-  attends over it with the same paged attention as the device pool, `leave`s (releases the slot)
-  and, once that is enqueued, is `launched` (its rows kept, the next layers delivered); a
-  captured decode step (worker/cuda_graphs.py) holds `enter` and `leave` as graph nodes;
+  device before its own;
+- each layer's `attend` takes its slot from the ring, writes the step's new rows into it,
+  attends over it with the same paged attention as the device pool, and releases it;
 - `end_step` copies every layer's new rows back in one device-to-host copy on the transfer
   side, after the compute side has recorded that they exist;
-- the host scatters those rows into its pages when it next needs them: before the next copy
-  from the pages (usually once the next step's first layers are enqueued, so the device does not
-  wait for it), or in `settle`, before a park, a restore or a page copy touches them.
+- `settle`, before anything on the host reads or writes the pages again (the next step, a park,
+  a restore), waits for that copy and scatters the rows into their pages.
 """
 
 from __future__ import annotations
@@ -99,9 +96,9 @@ class HostKVPool:
         self._layout: tuple | None = None
         self._batch: tuple | None = None  # (seq ids, pages used, context lengths) of this step
         self._prev: tuple | None = None  # the same, of the last step that completed
-        self._write: tuple[list[int], list[int]] | None = None  # the rows' (pages, offsets)
-        self._writeback: tuple[torch.Tensor, ...] | None = None  # until scattered
-        self._open = False  # a step began and has not ended
+        self._write: tuple[torch.Tensor, torch.Tensor] | None = None  # host (pages, offsets)
+        self._writeback: tuple[torch.Tensor, ...] | None = None  # in flight until settle
+        self._open = False  # a step began and has not been settled
         self._wb_event = None if self.transport is None else self.transport.event()
         self._wb_done = None if self.transport is None else self.transport.event()
         self._wb_host: torch.Tensor | None = None
@@ -113,16 +110,8 @@ class HostKVPool:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 
     # What a captured decode step needs (worker/cuda_graphs.py's GraphPool): the ring buffer by
-    # address, each layer's slot as a page base, and the ring's events as graph nodes.
-    def piece_layers(self) -> int:
-        """Layers a captured piece spans: 1 on the ring path, with the layer's wait and release
-        as graph nodes (pieces of several layers were measured slower: see
-        docs/kv-pipelining.md), 0 on the ordered path (its copies run between pieces) and on a
-        step whose waits are timed."""
-        return 1 if self.ring.ahead and not self.ring.timed else 0
-
-    def piece_spans(self) -> tuple[int, ...]:
-        return (1, 0) if self.ring.depth else (0,)
+    # address, each layer's slot as a page base, and the ring's events between pieces.
+    hooks = True
 
     def graph_key(self) -> tuple[int, int] | None:
         buf = self.ring.buf
@@ -138,28 +127,19 @@ class HostKVPool:
         return self.ring.page_bases()
 
     def settle(self) -> None:
-        """Before the host touches the pages (park, restore, page copies): the last step's rows
-        are scattered into them, and a step that stopped half-way has its copies drained."""
-        self._land()
-        if self._open:
-            self.ring.settle()
-            self._open = False
-
-    def _land(self) -> None:
-        """Wait for the last write-back and scatter its rows into the pages."""
-        if self._writeback is None:
+        if not self._open:
             return
-        self.ring.before_copy = None
-        self.ring.settle(self._wb_done)
-        # Primes for the next step may be reading these pages: they are torn at most where
-        # these rows land, and those are the bytes a primed layer writes in (`prepare`).
-        host, _, pages, offsets = self._writeback  # host: [L, 2, T, KVH, D]
-        self.kv.transpose(2, 3)[:, pages, offsets] = host.transpose(1, 2)  # K and V at once
-        self._writeback = None
+        self.ring.settle(self._wb_done if self._writeback is not None else None)
+        if self._writeback is not None:
+            # Primes for the next step may still be reading these pages: they are torn at
+            # most where these rows land, and those are the bytes a primed layer writes in.
+            host, _, pages, offsets = self._writeback  # host: [L, 2, T, KVH, D]
+            self.kv.transpose(2, 3)[:, pages, offsets] = host.transpose(1, 2)  # K and V at once
+            self._writeback = None
+        self._open = False
 
     def begin_step(self, meta: BatchMeta, tables: dict[int, list[int]]) -> None:
-        if self._open:  # the last step stopped half-way
-            self.settle()
+        self.settle()
         p = self.page_size
         used = [t[: -(-c // p)] for t, c in zip(tables.values(), meta.context_lens)]
         pages, offsets = [], []
@@ -172,14 +152,12 @@ class HostKVPool:
         runs, slot_tables, slot_writes = self._layout[1]
         self.meta = replace(meta, page_tables=slot_tables, write_pages=slot_writes)
         self.step = meta
-        self._write = (pages, offsets)
+        self._write = (torch.tensor(pages), torch.tensor(offsets))
         self.rows = []
         self._open = True
         self._batch = (tuple(tables), used, meta.context_lens)
         reuse = self._continues(meta)
         self._prev = None  # until this step completes
-        # the last step's rows reach the pages before anything copies from them
-        self.ring.before_copy = self._land if self._writeback is not None else None
         self.primed = self.ring.begin_step(runs, reuse, prime_next=meta.decode_only)
         self.patch = self._last if self.primed else None
 
@@ -210,7 +188,6 @@ class HostKVPool:
 
     def end_step(self) -> None:
         assert len(self.rows) == 2 * len(self.layers), "end_step before every layer attended"
-        self._land()  # the write-back buffer is free again
         rows = torch.stack(self.rows)
         rows = rows.view(len(self.layers), 2, *rows.shape[1:])  # [L, 2, T, KVH, D]
         self.rows = []
@@ -220,11 +197,10 @@ class HostKVPool:
             host = self._host_rows(rows.numel()).view(rows.shape)
             self.transport.record(self._wb_event)
             self.transport.copy([(host, rows)], after=self._wb_event, then=self._wb_done)
-        # rows stays referenced until scattered: the copy may still be reading it
+        # rows stays referenced until settle: the copy may still be reading it
         self._writeback = (host, rows, *self._write)
         self._last = (rows, self.meta.write_pages, self.meta.write_offsets)
         self._prev = self._batch
-        self._open = False
         self.ring.prime()
         self.ring.count("writeback", rows.nbytes, 1)
         self.ring.end_step()
@@ -251,39 +227,29 @@ class HostLayerView:
         pool = self.pool
         assert meta is pool.step, "attend outside the step begun with begin_step"
         sm = pool.meta
-        self.prepare()
         slot = self.enter()
         k_slot, v_slot = slot[:, 0], slot[:, 1]
         k, v = k.to(k_slot.dtype), v.to(v_slot.dtype)
         k_slot[sm.write_pages, sm.write_offsets] = k
         v_slot[sm.write_pages, sm.write_offsets] = v
         out = pool.attention(q, k_slot, v_slot, sm, pool.scale)
-        self.leave()
-        self.launched(k, v)
+        self.leave(k, v)
         return out
 
-    def prepare(self) -> None:
-        """Eagerly, before the layer's piece: a slot that came primed from the last step gets
-        that step's rows, which its pages lacked when it was copied."""
+    def enter(self) -> torch.Tensor:
+        """The layer's slot [n, 2, page, KVH, D] once delivered, holding the last step's rows
+        where it came primed."""
         pool = self.pool
+        slot = pool.ring.acquire(self.layer)  # [n, 2, page, KVH, D]
         if self.layer < pool.primed:
-            slot = pool.ring.acquire(self.layer)  # [n, 2, page, KVH, D]
             rows, pages, offsets = pool.patch  # rows: [L, 2, T, KVH, D]
             slot.transpose(1, 2)[pages, offsets] = rows[self.layer].transpose(0, 1)
+        return slot
 
-    def enter(self) -> torch.Tensor:
-        """The layer's slot [n, 2, page, KVH, D], once delivered (on the ordered path, copied)."""
-        return self.pool.ring.acquire(self.layer)
-
-    def leave(self) -> None:
-        """After the last kernel that reads the slot: release it."""
-        self.pool.ring.release_slot(self.layer)
-
-    def launched(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The layer is enqueued, with its new rows k, v [T, KVH, D]: keep them for the
-        write-back, deliver the layers `depth` ahead."""
+    def leave(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The layer's new rows (for the write-back) are written and its attention enqueued."""
         self.pool.rows += (k, v)
-        self.pool.ring.advance(self.layer)
+        self.pool.ring.release_slot(self.layer)
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole ring buffer: a captured step reads the slot through its page base."""

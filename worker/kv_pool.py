@@ -53,11 +53,7 @@ class KVPool:
         """After the step's forward pass is enqueued."""
 
     # What a captured decode step needs (worker/cuda_graphs.py's GraphPool).
-    def piece_layers(self) -> int:
-        return len(self.layers)  # its layers need nothing between them: a step is one graph
-
-    def piece_spans(self) -> tuple[int, ...]:
-        return (len(self.layers),)
+    hooks = False  # its layers need nothing between pieces: a step is one graph
 
     def graph_key(self) -> int:
         return 0  # the pages are never replaced
@@ -90,14 +86,8 @@ class LayerView:
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pool.k_buf[self.layer], self.pool.v_buf[self.layer]
 
-    def prepare(self) -> None:
-        pass
-
     def enter(self) -> None:
         pass
 
-    def leave(self) -> None:
-        pass
-
-    def launched(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def leave(self, k: torch.Tensor, v: torch.Tensor) -> None:
         pass

@@ -8,20 +8,18 @@ slot is as large as this step's window, never the largest one seen.
 
 Ring path, for layer l and m = l + depth (issued once layer l's attention is enqueued):
 
-    transfer:  wait release[m - n_slots]; copy layer m's runs into slot s(m); record ready[m]
-    compute:   wait ready[l]; write the step's rows; attend; record release[l]
+    transfer:  wait release[s(m)]; copy layer m's runs into slot s(m); record ready[s(m)]
+    compute:   wait ready[s(l)]; write the step's rows; attend; record release[s(l)]
 
-Events are per layer (indices modulo n_layers), so a captured step can hold each layer's wait and
-record as graph nodes whatever slot the layer has this step; a delivery waits for the release of
-the layer that used its slot last, n_slots layers before it. With depth + 2 slots, layer m
-recycles the slot of layer l - 2, so a delivery never queues behind the layer just enqueued or
-the one before it, which a device may still be running. Recycling is ordered stream to stream;
-the host never blocks on a slot. Slots are numbered across steps, so deliveries past the last
-layer can be the next step's first layers (priming, one per slot): for the same window, issued
-after this step's write-back, used if the next step's batch continues this one on the same pages
-(the caller writes this step's rows, which the host did not have yet, into those slots).
-Everything the compute side does to a slot follows a wait on a delivery queued after any prime
-still landing, except on the ordered path, which drains the primes first.
+With depth + 2 slots, layer m recycles the slot of layer l - 2, so a delivery never queues
+behind the layer just enqueued or the one before it, which a device may still be running.
+Recycling is ordered stream to stream; the host never blocks on a slot. Slots are numbered across
+steps, so deliveries past the last layer can be the next step's first layers (priming, one per
+slot): for the same window, issued after this step's write-back, used if the next step's batch
+continues this one on the same pages (the caller writes this step's rows, which the host did not
+have yet, into those slots). Everything the compute side does to a slot follows a wait on a
+delivery queued after any prime still landing, except on the ordered path, which drains the
+primes first.
 
 Ordered path (depth 0, or a declined step): copy then attend, one slot, on the compute side.
 A step declines when its ring would pass the budget or its device lacks headroom for it, for
@@ -102,13 +100,9 @@ class StagingRing:
         # [capacity + 1, 2, page, KVH, D]; the last page is no slot's (spare_page)
         self.buf: torch.Tensor | None = None
         events = depth > 0 and transport is not None
-        self.ready = [transport.event() for _ in range(self.n_layers)] if events else []
-        self.release = [transport.event() for _ in range(self.n_layers)] if events else []
+        self.ready = [transport.event() for _ in range(self.n_slots)] if events else []
+        self.release = [transport.event() for _ in range(self.n_slots)] if events else []
         self.ahead = False
-        self.timed = False  # this step's waits run eagerly, timed (Transport.timed_step)
-        # called, then dropped, before the step's first copy from the host pages: what the host
-        # still owes them (the last step's rows)
-        self.before_copy: Callable[[], None] | None = None
         self.prime_next = False
         self.primed: list[Run] | None = None  # the window the next step's first layers hold
         # Slots are numbered across steps (layer l of a step takes slot (base + l) % n_slots), so
@@ -161,7 +155,6 @@ class StagingRing:
         primed = primed and self.ahead and moved == self.stats.reallocations
         self.slots = [self.buf[i * n:(i + 1) * n] for i in range(slots)]
         self.prime_next = prime_next and self.ahead and self.depth < self.n_layers
-        self.timed = self.ahead and self.transport.timed_step()
         if not self.ahead:
             self.stats.ordered_steps += 1
             return 0
@@ -176,26 +169,21 @@ class StagingRing:
     def acquire(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s window in its slot, once it has landed: [n, 2, page, KVH, D]."""
         if not self.ahead:
-            self._owed()
             slot, host = self.slots[0], self.host[layer]
             for start, count, off in self.runs:
                 slot[off:off + count].copy_(host[start:start + count], non_blocking=True)
             self._windows += 1
             return slot
-        self.transport.wait(self.ready[layer])
-        return self.slots[(self.base + layer) % self.n_slots]
+        s = (self.base + layer) % self.n_slots
+        self.transport.wait(self.ready[s])
+        return self.slots[s]
 
     def release_slot(self, layer: int) -> None:
-        """After the last kernel that reads layer `layer`'s slot (compute side, capturable)."""
+        """Layer `layer`'s attention is enqueued: free its slot, deliver layer + depth."""
         if self.ahead:
-            self.transport.record(self.release[layer])
-
-    def advance(self, layer: int) -> None:
-        """Layer `layer` (and its release) is enqueued: deliver through layer + depth."""
-        if self.ahead:
-            while self.issued <= min(layer + self.depth, self.n_layers - 1):
-                self._deliver(self.issued)
-                self.issued += 1
+            self.transport.record(self.release[(self.base + layer) % self.n_slots])
+            if self.issued <= layer + self.depth < self.n_layers:
+                self._deliver(layer + self.depth)
 
     def prime(self) -> None:
         """After the step's last layer (and its write-back): deliver the next step's first
@@ -239,21 +227,14 @@ class StagingRing:
     # ---- internals --------------------------------------------------------------------------
 
     def _deliver(self, m: int) -> None:
-        """Layer m of this step into its slot (m >= n_layers: layer m - n_layers of the next),
-        after the release of the layer that held the slot last."""
-        self._owed()
-        layer = m % self.n_layers
-        slot, host = self.slots[(self.base + m) % self.n_slots], self.host[layer]
+        """Layer m of this step into its slot (m >= n_layers: layer m - n_layers of the next)."""
+        s = (self.base + m) % self.n_slots
+        slot, host = self.slots[s], self.host[m % self.n_layers]
         self._windows += 1
         self.transport.copy(
             [(slot[off:off + count], host[start:start + count]) for start, count, off in self.runs],
-            after=self.release[(m - self.n_slots) % self.n_layers], then=self.ready[layer],
+            after=self.release[s], then=self.ready[s],
         )
-
-    def _owed(self) -> None:
-        if self.before_copy is not None:
-            fn, self.before_copy = self.before_copy, None
-            fn()
 
     def _take_ring(self) -> bool:
         if self.depth == 0:

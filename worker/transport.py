@@ -6,10 +6,8 @@ and events that order one against the other the way CUDA events order two stream
 one, and nothing blocks the host except `host_wait` and `synchronize` (and, on the CPU, the
 compute side's `wait`, because there the host thread *is* the compute stream).
 
-`CudaTransport` is a dedicated CUDA stream with `torch.cuda.Event`s, made external so that a
-captured decode step (worker/cuda_graphs.py) records and waits on them as graph nodes: such a
-node resolves its event at launch, as `wait_event` does when it is called. `CpuTransport` is a
-copy thread over a FIFO with events of its own, so the same ring logic runs in CI. Both take
+`CudaTransport` is a dedicated CUDA stream with `torch.cuda.Event`s. `CpuTransport` is a copy
+thread over a FIFO with events of its own, so the same ring logic runs in CI. Both take
 `delay_ms`, a fault injection that delays every transfer-side copy: with it a missing wait shows
 up as wrong bytes instead of staying hidden behind a fast copy. `make_transport` reads it from
 `SIDING_TRANSPORT_DELAY_MS`.
@@ -33,8 +31,8 @@ WAIT_TIMEOUT_S = 120.0
 # torch.cuda._sleep spins for clock cycles; about 1.5-2 GHz on current parts, so a delay is
 # approximate, which is all fault injection needs.
 CYCLES_PER_MS = 1_500_000
-# CUDA waits are timed on one step in this many, drawn at random, with two timing events a wait,
-# and scaled back up. A timed step runs its waits eagerly (a captured wait cannot be timed).
+# CUDA waits are timed on one call in this many, drawn at random (a fixed stride would time the
+# same layer every step), with two timing events each, and scaled back up.
 WAIT_SAMPLE = 16
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (dst, src)
@@ -52,10 +50,6 @@ class Transport(Protocol):
     def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
         """On the transfer side: wait for `after`, copy each (dst, src), then record `then`."""
 
-    def timed_step(self) -> bool:
-        """Called once a step: whether this step's compute-side waits must run eagerly to be
-        timed (False: they may be captured in a graph)."""
-
     def host_wait(self, ev: Any) -> None:
         """Block the host until `ev`'s latest record has completed."""
 
@@ -63,7 +57,7 @@ class Transport(Protocol):
         """Block the host until both sides are idle."""
 
     def wait_seconds(self) -> float:
-        """Compute-side time spent in `wait` since the last call, once those waits are done."""
+        """Compute-side time spent in `wait` since the last call (after `synchronize`)."""
 
     def close(self) -> None: ...
 
@@ -84,38 +78,27 @@ class CudaTransport:
     def __init__(self, device: torch.device | str, delay_ms: float = 0.0):
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
-        # The worker computes on the device's current stream and never switches it; a capture
-        # switches it to its own, so `record` and `wait` look it up each call.
+        # The worker computes on the device's current stream and never switches it.
         self.compute = torch.cuda.current_stream(self.device)
         self.delay_cycles = int(delay_ms * CYCLES_PER_MS)
         self._sample = random.Random(0).random
-        self._timing = False  # this step's waits are timed
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def event(self) -> torch.cuda.Event:
-        ev = torch.cuda.Event(external=True)
-        # A capture leaves out a wait on an event never recorded (it would not wait at all), so
-        # every event starts recorded.
-        ev.record(self.compute)
-        return ev
+        return torch.cuda.Event()
 
     def record(self, ev: torch.cuda.Event) -> None:
-        ev.record(torch.cuda.current_stream(self.device))
+        ev.record(self.compute)
 
     def wait(self, ev: torch.cuda.Event) -> None:
-        stream = torch.cuda.current_stream(self.device)
-        if not self._timing or torch.cuda.is_current_stream_capturing():
-            stream.wait_event(ev)
+        if self._sample() * WAIT_SAMPLE >= 1:
+            self.compute.wait_event(ev)
             return
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(stream)
-        stream.wait_event(ev)
-        b.record(stream)
+        a.record(self.compute)
+        self.compute.wait_event(ev)
+        b.record(self.compute)
         self._timed.append((a, b))
-
-    def timed_step(self) -> bool:
-        self._timing = self._sample() * WAIT_SAMPLE < 1
-        return self._timing
 
     def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
         s = self.stream
@@ -142,11 +125,9 @@ class CudaTransport:
         self.compute.synchronize()
 
     def wait_seconds(self) -> float:
-        done, pending = [], []
-        for pair in self._timed:
-            (done if pair[1].query() else pending).append(pair)
-        self._timed = pending  # a step still running keeps its own
-        return sum(a.elapsed_time(b) for a, b in done) * WAIT_SAMPLE / 1e3
+        ms = sum(a.elapsed_time(b) for a, b in self._timed)
+        self._timed.clear()
+        return ms * WAIT_SAMPLE / 1e3
 
     def close(self) -> None:
         self.synchronize()
@@ -208,9 +189,6 @@ class CpuTransport:
                 then.recorded += 1
                 gen = then.recorded
         self.queue.put((after, need, list(pairs), then, gen))
-
-    def timed_step(self) -> bool:
-        return False  # every wait is timed (it blocks this thread), captured or not
 
     def host_wait(self, ev: CpuEvent) -> None:
         ev.wait_for(ev.recorded)

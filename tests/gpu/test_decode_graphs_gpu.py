@@ -54,7 +54,7 @@ def test_captured_graphs_over_several_splits_match_the_eager_forward_bit_for_bit
     eager = run(runner(True, graphs=False, device=DEV, dtype=DT, n_pages=n), LONG)
     r = runner(True, kv=kv, device=DEV, dtype=DT, n_pages=n)
     graphed = run(r, LONG)
-    assert {splits for _, splits, _ in r.graphs.graphs} == {2, 4}
+    assert {splits for _, splits in r.graphs.graphs} == {2, 4}
     for (h1, t1), (h2, t2) in zip(eager, graphed, strict=True):
         assert torch.equal(h1, h2) and t1 == t2
 
@@ -63,8 +63,8 @@ def test_captured_graphs_over_several_splits_match_the_eager_forward_bit_for_bit
 def test_a_context_already_in_a_host_pool_decodes_from_its_first_step_in_captured_graphs(
         monkeypatch, depth):
     """The first step is a decode, so its graphs are captured before the ring has delivered
-    most layers even once (a capture drops a wait on an event never recorded); every copy is
-    delayed on the transfer stream, so a missing wait reads a slot before it lands."""
+    most layers even once (a captured wait on an event never recorded would not wait); every
+    copy is delayed on the transfer stream, so a missing wait reads a slot before it lands."""
     monkeypatch.setenv(DELAY_ENV, "0.3")
     a = parse_args(["--model", "synthetic:tiny", "--depths", str(depth)])
     source = resolve(a.model)

@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-from ring_checks import CheckedTransport
 
 from protocol.messages import PageCopy, PageMove, SeqPlan, Step
 from worker.batch import build_meta
@@ -42,6 +41,7 @@ def run_step(pool, chunk, tables, seed: int, heads: int = H,
     """chunk: [(seq, start, n)]. Every layer attends random q, k, v (the same for every pool,
     by `seed`); returns each layer's output."""
     ids = [i for i, _, _ in chunk]
+    pool.settle()
     meta = build_meta([s for _, s, _ in chunk], [n for _, _, n in chunk],
                       [tables[i] for i in ids], [True] * len(ids), pool.page_size, device)
     g = torch.Generator().manual_seed(seed)
@@ -118,6 +118,75 @@ def test_a_missing_ready_wait_is_exposed_by_delayed_copies():
     outs = [(run_step(device, c, tables, s), run_step(host, c, tables, s))
             for s, c in enumerate(steps[:2])]
     assert not all(torch.equal(x, y) for a, b in outs for x, y in zip(a, b))
+
+
+class CheckedTransport(CpuTransport):
+    """Checks the ring's event protocol as it is issued. A slot goes filled -> read -> released
+    -> filled ...: a fill waits for the slot's release event and needs every read of the slot
+    released (a fill nobody read, a discarded prime, may be filled over); a read needs a fill;
+    while a step's own deliveries run, no more than `depth` fills are unread; a step's primes
+    for the next fill every slot."""
+
+    def __init__(self, delay_ms: float = 0.0):
+        super().__init__(delay_ms)
+        self.ring = None
+        self.syncs = self.host_waits = 0
+
+    def _slot(self, ev, kind: str) -> int | None:
+        events = getattr(self.ring, kind)
+        return next((s for s, e in enumerate(events) if e is ev), None)
+
+    def start(self, ring) -> None:
+        self.ring = ring
+        self.state = ["released"] * ring.n_slots
+        self.reads = 0
+        prime = ring.prime
+
+        def priming():
+            self.priming = True
+            prime()
+            self.priming = False
+        self.priming = False
+        ring.prime = priming
+
+    def copy(self, pairs, after=None, then=None):
+        s = self._slot(then, "ready")
+        if s is not None:
+            assert after is self.ring.release[s], "a refill must wait for its slot's release"
+            assert self.state[s] in ("released", "filled"), f"slot {s} refilled while read"
+            self.state[s] = "filled"
+            ahead = self.state.count("filled")
+            limit = self.ring.n_slots if self.priming or self.primed_unread() else self.ring.depth
+            assert ahead <= limit, f"{ahead} layers in flight, depth {self.ring.depth}"
+        super().copy(pairs, after, then)
+
+    def primed_unread(self) -> bool:
+        """Whether fills made by the last primes (used or discarded) may still be unread: until
+        a step's first n_slots layers are read, every slot has been filled again since."""
+        return self.reads % LAYERS < self.ring.n_slots
+
+    def wait(self, ev):
+        s = self._slot(ev, "ready")
+        assert s is not None, "the compute side waits only on ready events"
+        assert self.state[s] == "filled", f"slot {s} read without a fill"
+        self.state[s] = "read"
+        self.reads += 1
+        super().wait(ev)
+
+    def record(self, ev):
+        s = self._slot(ev, "release")
+        if s is not None:
+            assert self.state[s] == "read", f"slot {s} released before it was read"
+            self.state[s] = "released"
+        super().record(ev)
+
+    def host_wait(self, ev):
+        self.host_waits += 1
+        super().host_wait(ev)
+
+    def synchronize(self):
+        self.syncs += 1
+        super().synchronize()
 
 
 @pytest.mark.parametrize("depth", [1, 2, 4, 8])
