@@ -63,8 +63,9 @@ def test_captured_graphs_over_several_splits_match_the_eager_forward_bit_for_bit
 def test_a_context_already_in_a_host_pool_decodes_from_its_first_step_in_captured_graphs(
         monkeypatch, depth):
     """The first step is a decode, so its graphs are captured before the ring has delivered
-    most layers even once (a captured wait on an event never recorded would not wait); every
-    copy is delayed on the transfer stream, so a missing wait reads a slot before it lands."""
+    most layers even once (a wait captured on an event never recorded would not wait: see
+    docs/kv-pipelining.md, "Captured ring events"); every copy is delayed on the transfer
+    stream, so a missing wait reads a slot before it lands."""
     monkeypatch.setenv(DELAY_ENV, "0.3")
     a = parse_args(["--model", "synthetic:tiny", "--depths", str(depth)])
     source = resolve(a.model)
