@@ -13,10 +13,16 @@ A step:
   device before its own;
 - each layer's `attend` takes its slot from the ring, writes the step's new rows into it,
   attends over it with the same paged attention as the device pool, and releases it;
-- `end_step` copies every layer's new rows back in one device-to-host copy on the transfer
-  side, after the compute side has recorded that they exist;
-- `settle`, before anything on the host reads or writes the pages again (the next step, a park,
-  a restore), waits for that copy and scatters the rows into their pages.
+- `end_step` copies every layer's new rows back in one device-to-host copy on the transport's
+  write-back side, after the compute side has recorded that they exist (on a side of its own,
+  so the next step's primes, queued on the transfer side after it, need not wait for the
+  step's last layer);
+- those rows are scattered into their pages on the host (`_land`, waiting for that copy) as late
+  as possible: before the ring next reads pages for a step of its own (not a prime), before the
+  next write-back, or when `settle` is called because something else on the host (a park, a
+  restore, a page copy) is about to touch the pages. A continuing decode step takes its first
+  layers primed, so it launches them before the host scatters anything: the scatter overlaps
+  the device instead of delaying the step's first kernel.
 """
 
 from __future__ import annotations
@@ -80,7 +86,7 @@ class HostKVPool:
         self.transport = transport if transport is not None else make_transport(self.device)
         free = partial(device_free_bytes, self.device) if self.device.type == "cuda" else None
         self.ring = StagingRing(self.kv, self.transport, self.device, depth,
-                                ring_budget_mib << 20, free, metrics)
+                                ring_budget_mib << 20, free, metrics, land=self._land)
         self.bridge = bridge_bytes // self.ring.page_bytes
         self.layers = [HostLayerView(self, i) for i in range(n_layers)]
         self.meta: BatchMeta | None = None  # the step's metadata, renumbered into the slot
@@ -96,9 +102,9 @@ class HostKVPool:
         self._layout: tuple | None = None
         self._batch: tuple | None = None  # (seq ids, pages used, context lengths) of this step
         self._prev: tuple | None = None  # the same, of the last step that completed
-        self._write: tuple[torch.Tensor, torch.Tensor] | None = None  # host (pages, offsets)
-        self._writeback: tuple[torch.Tensor, ...] | None = None  # in flight until settle
-        self._open = False  # a step began and has not been settled
+        self._write: tuple[list[int], list[int]] | None = None  # host (pages, offsets)
+        self._writeback: tuple | None = None  # the last step's rows, until `_land`
+        self._open = False  # a step began and has not ended
         self._wb_event = None if self.transport is None else self.transport.event()
         self._wb_done = None if self.transport is None else self.transport.event()
         self._wb_host: torch.Tensor | None = None
@@ -127,19 +133,28 @@ class HostKVPool:
         return self.ring.page_bases()
 
     def settle(self) -> None:
-        if not self._open:
+        """Bring the host pages up to date: the last step's rows scattered into them. Call it
+        before the host reads or writes pages outside a step (park, restore, page copies)."""
+        if self._open:  # a step stopped half-way: every copy it issued lands first
+            self.ring.settle()
+            self._open, self.rows = False, []
+        self._land()
+
+    def _land(self) -> None:
+        """Wait for the last write-back and scatter its rows into their pages. Primes may still
+        be reading those pages: they are torn at most where these rows land, and those are the
+        bytes a primed layer writes in from the device."""
+        if self._writeback is None:
             return
-        self.ring.settle(self._wb_done if self._writeback is not None else None)
-        if self._writeback is not None:
-            # Primes for the next step may still be reading these pages: they are torn at
-            # most where these rows land, and those are the bytes a primed layer writes in.
-            host, _, pages, offsets = self._writeback  # host: [L, 2, T, KVH, D]
-            self.kv.transpose(2, 3)[:, pages, offsets] = host.transpose(1, 2)  # K and V at once
-            self._writeback = None
-        self._open = False
+        self.ring.settle(self._wb_done)
+        host, _, pages, offsets = self._writeback  # host: [L, 2, T, KVH, D]
+        where = (slice(None), torch.tensor(pages), torch.tensor(offsets))
+        self.kv.transpose(2, 3)[where] = host.transpose(1, 2)  # K and V at once
+        self._writeback = None
 
     def begin_step(self, meta: BatchMeta, tables: dict[int, list[int]]) -> None:
-        self.settle()
+        if self._open:
+            self.settle()
         p = self.page_size
         used = [t[: -(-c // p)] for t, c in zip(tables.values(), meta.context_lens)]
         pages, offsets = [], []
@@ -152,7 +167,7 @@ class HostKVPool:
         runs, slot_tables, slot_writes = self._layout[1]
         self.meta = replace(meta, page_tables=slot_tables, write_pages=slot_writes)
         self.step = meta
-        self._write = (torch.tensor(pages), torch.tensor(offsets))
+        self._write = (pages, offsets)
         self.rows = []
         self._open = True
         self._batch = (tuple(tables), used, meta.context_lens)
@@ -188,6 +203,7 @@ class HostKVPool:
 
     def end_step(self) -> None:
         assert len(self.rows) == 2 * len(self.layers), "end_step before every layer attended"
+        self._land()  # the last step's rows (still pending if every layer came primed)
         rows = torch.stack(self.rows)
         rows = rows.view(len(self.layers), 2, *rows.shape[1:])  # [L, 2, T, KVH, D]
         self.rows = []
@@ -196,9 +212,10 @@ class HostKVPool:
         else:
             host = self._host_rows(rows.numel()).view(rows.shape)
             self.transport.record(self._wb_event)
-            self.transport.copy([(host, rows)], after=self._wb_event, then=self._wb_done)
-        # rows stays referenced until settle: the copy may still be reading it
+            self.transport.copy_back([(host, rows)], after=self._wb_event, then=self._wb_done)
+        # rows stays referenced until `_land`: the copy may still be reading it
         self._writeback = (host, rows, *self._write)
+        self._open = False
         self._last = (rows, self.meta.write_pages, self.meta.write_offsets)
         self._prev = self._batch
         self.ring.prime()
@@ -206,7 +223,8 @@ class HostKVPool:
         self.ring.end_step()
 
     def _host_rows(self, numel: int) -> torch.Tensor:
-        """A flat host buffer for the step's rows; only replaced with the transfer side idle."""
+        """A flat host buffer for the step's rows; replaced only after `_land`, with the
+        write-back side idle."""
         if self._wb_host is None or self._wb_host.numel() < numel:
             size = 1 << (numel - 1).bit_length()
             self._wb_host = torch.empty(size, dtype=self.kv.dtype,

@@ -44,7 +44,8 @@ class ModelRunner:
     def apply(self, plan: Step) -> BatchMeta:
         """Apply the plan's deltas (free, park, restore, copies, pages) and build the step's
         metadata. Raises SequenceFault naming the sequence a bad delta is about."""
-        self.pool.settle()  # a host pool's last write-back lands before its pages are touched
+        if plan.park or plan.restore or plan.copies:
+            self.pool.settle()  # a host pool's last rows reach its pages before they are touched
         for seq_id in plan.free:
             self.tables.pop(seq_id, None)
             self.sampling.pop(seq_id, None)

@@ -17,7 +17,10 @@ Recycling is ordered stream to stream; the host never blocks on a slot. Slots ar
 steps, so deliveries past the last layer can be the next step's first layers (priming, one per
 slot): for the same window, issued after this step's write-back, used if the next step's batch
 continues this one on the same pages (the caller writes this step's rows, which the host did not
-have yet, into those slots). Everything the compute side does to a slot follows a wait on a
+have yet, into those slots). Before reading pages for a step's own layers (a delivery or the
+ordered path's copy, never a prime), the ring calls its owner's `land`, which brings the pages
+up to date (the last step's rows): a primed step launches its first layers before the host
+does that work. Everything the compute side does to a slot follows a wait on a
 delivery queued after any prime still landing, except on the ordered path, which drains the
 primes first.
 
@@ -82,10 +85,11 @@ class StagingRing:
     def __init__(
         self, host: torch.Tensor, transport: Transport | None, device: torch.device | str,
         depth: int, budget_bytes: int = 0, free_bytes: Callable[[], int] | None = None,
-        metrics: WorkerMetrics | None = None,
+        metrics: WorkerMetrics | None = None, land: Callable[[], None] | None = None,
     ):
         """host: [L, n_pages, 2, page, KVH, D]; budget_bytes 0: no cap; free_bytes: the
-        device's free memory (None: not checked)."""
+        device's free memory (None: not checked); land: brings the host pages up to date (the
+        owner's pending writes), called before the ring reads them for a step of its own."""
         self.host = host
         self.transport = transport
         self.device = torch.device(device)
@@ -96,6 +100,7 @@ class StagingRing:
         self.budget = budget_bytes
         self.free_bytes = free_bytes
         self.metrics = metrics
+        self.land = land or (lambda: None)
         self.stats = RingStats()
         # [capacity + 1, 2, page, KVH, D]; the last page is no slot's (spare_page)
         self.buf: torch.Tensor | None = None
@@ -169,6 +174,7 @@ class StagingRing:
     def acquire(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s window in its slot, once it has landed: [n, 2, page, KVH, D]."""
         if not self.ahead:
+            self.land()
             slot, host = self.slots[0], self.host[layer]
             for start, count, off in self.runs:
                 slot[off:off + count].copy_(host[start:start + count], non_blocking=True)
@@ -228,6 +234,8 @@ class StagingRing:
 
     def _deliver(self, m: int) -> None:
         """Layer m of this step into its slot (m >= n_layers: layer m - n_layers of the next)."""
+        if m < self.n_layers:  # a prime reads the pages as they are: its layer is patched
+            self.land()
         s = (self.base + m) % self.n_slots
         slot, host = self.slots[s], self.host[m % self.n_layers]
         self._windows += 1

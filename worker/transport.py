@@ -1,14 +1,16 @@
 """Transports: how the staging ring moves bytes and orders its two sides.
 
-A transport has a compute side (where attention runs) and a transfer side (a FIFO of copies),
-and events that order one against the other the way CUDA events order two streams: `wait` and
+A transport has a compute side (where attention runs), a transfer side (a FIFO of copies to the
+device) and a write-back side (a FIFO of copies back to the host, of its own so that a
+write-back, which waits for the step's last layer, never holds up the deliveries queued after
+it), and events that order one against another the way CUDA events order streams: `wait` and
 `copy(after=...)` capture the event's latest record at the time they are called, never a later
 one, and nothing blocks the host except `host_wait` and `synchronize` (and, on the CPU, the
 compute side's `wait`, because there the host thread *is* the compute stream).
 
-`CudaTransport` is a dedicated CUDA stream with `torch.cuda.Event`s. `CpuTransport` is a copy
-thread over a FIFO with events of its own, so the same ring logic runs in CI. Both take
-`delay_ms`, a fault injection that delays every transfer-side copy: with it a missing wait shows
+`CudaTransport` is two dedicated CUDA streams with `torch.cuda.Event`s. `CpuTransport` is two
+copy threads over FIFOs with events of their own, so the same ring logic runs in CI. Both take
+`delay_ms`, a fault injection that delays every copy on either side: with it a missing wait shows
 up as wrong bytes instead of staying hidden behind a fast copy. `make_transport` reads it from
 `SIDING_TRANSPORT_DELAY_MS`.
 """
@@ -50,6 +52,9 @@ class Transport(Protocol):
     def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
         """On the transfer side: wait for `after`, copy each (dst, src), then record `then`."""
 
+    def copy_back(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
+        """As `copy`, on the write-back side."""
+
     def host_wait(self, ev: Any) -> None:
         """Block the host until `ev`'s latest record has completed."""
 
@@ -57,7 +62,7 @@ class Transport(Protocol):
         """Block the host until both sides are idle."""
 
     def wait_seconds(self) -> float:
-        """Compute-side time spent in `wait` since the last call (after `synchronize`)."""
+        """Compute-side time spent in `wait` since the last call, for the waits that have run."""
 
     def close(self) -> None: ...
 
@@ -78,6 +83,7 @@ class CudaTransport:
     def __init__(self, device: torch.device | str, delay_ms: float = 0.0):
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
+        self.back = torch.cuda.Stream(self.device)
         # The worker computes on the device's current stream and never switches it.
         self.compute = torch.cuda.current_stream(self.device)
         self.delay_cycles = int(delay_ms * CYCLES_PER_MS)
@@ -101,11 +107,16 @@ class CudaTransport:
         self._timed.append((a, b))
 
     def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
-        s = self.stream
+        self._copy(self.stream, pairs, after, then)
+
+    def copy_back(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
+        self._copy(self.back, pairs, after, then)
+
+    def _copy(self, s: torch.cuda.Stream, pairs: Sequence[Pair], after: Any, then: Any) -> None:
         if after is not None:
             s.wait_event(after)
         # set_stream rather than the `torch.cuda.stream` context, which costs several stream
-        # lookups a layer; both streams are on the one device this worker process drives
+        # lookups a layer; the streams are all on the one device this worker process drives
         torch.cuda.set_stream(s)
         try:
             for dst, src in pairs:
@@ -122,11 +133,16 @@ class CudaTransport:
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+        self.back.synchronize()
         self.compute.synchronize()
 
     def wait_seconds(self) -> float:
-        ms = sum(a.elapsed_time(b) for a, b in self._timed)
-        self._timed.clear()
+        """The sampled waits that have run (the host may ask mid-step: later ones count then)."""
+        done = 0
+        while done < len(self._timed) and self._timed[done][1].query():
+            done += 1
+        ms = sum(a.elapsed_time(b) for a, b in self._timed[:done])
+        del self._timed[:done]
         return ms * WAIT_SAMPLE / 1e3
 
     def close(self) -> None:
@@ -155,33 +171,17 @@ class CpuEvent:
                 raise RuntimeError(f"transfer event not completed after {WAIT_TIMEOUT_S:.0f}s")
 
 
-class CpuTransport:
-    """The compute side is the calling thread (its ops are finished when they return), the
-    transfer side a thread that runs copies in FIFO order."""
+class CopyThread:
+    """One side's copies, run in FIFO order by a thread of its own."""
 
-    def __init__(self, delay_ms: float = 0.0):
-        self.delay = delay_ms / 1e3
+    def __init__(self, name: str, delay_s: float):
+        self.delay = delay_s
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
-        self._waited = 0.0
-        self.thread = threading.Thread(target=self._run, name="siding-transfer", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    def event(self) -> CpuEvent:
-        return CpuEvent()
-
-    def record(self, ev: CpuEvent) -> None:
-        with ev.cond:
-            ev.recorded += 1
-        ev.complete(ev.recorded)
-
-    def wait(self, ev: CpuEvent) -> None:
-        t0 = time.perf_counter()
-        ev.wait_for(ev.recorded)
-        self._waited += time.perf_counter() - t0
-        self._raise()
-
-    def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
+    def put(self, pairs: Sequence[Pair], after: CpuEvent | None, then: CpuEvent | None) -> None:
         need = after.recorded if after is not None else 0
         gen = 0
         if then is not None:
@@ -190,27 +190,14 @@ class CpuTransport:
                 gen = then.recorded
         self.queue.put((after, need, list(pairs), then, gen))
 
-    def host_wait(self, ev: CpuEvent) -> None:
-        ev.wait_for(ev.recorded)
-        self._raise()
-
-    def synchronize(self) -> None:
+    def drain(self) -> None:
         done = CpuEvent()
         self.queue.put((None, 0, [], done, 1))
         done.wait_for(1)
-        self._raise()
-
-    def wait_seconds(self) -> float:
-        s, self._waited = self._waited, 0.0
-        return s
 
     def close(self) -> None:
         self.queue.put(None)
         self.thread.join(WAIT_TIMEOUT_S)
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"a staging copy failed: {self.error}") from self.error
 
     def _run(self) -> None:
         # The ring's buffers are made under inference mode; writing them needs it too.
@@ -229,3 +216,55 @@ class CpuTransport:
                 finally:
                     if then is not None:
                         then.complete(gen)
+
+
+class CpuTransport:
+    """The compute side is the calling thread (its ops are finished when they return), the
+    transfer and write-back sides are copy threads."""
+
+    def __init__(self, delay_ms: float = 0.0):
+        self.sides = (CopyThread("siding-transfer", delay_ms / 1e3),
+                      CopyThread("siding-writeback", delay_ms / 1e3))
+        self._waited = 0.0
+
+    def event(self) -> CpuEvent:
+        return CpuEvent()
+
+    def record(self, ev: CpuEvent) -> None:
+        with ev.cond:
+            ev.recorded += 1
+        ev.complete(ev.recorded)
+
+    def wait(self, ev: CpuEvent) -> None:
+        t0 = time.perf_counter()
+        ev.wait_for(ev.recorded)
+        self._waited += time.perf_counter() - t0
+        self._raise()
+
+    def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
+        self.sides[0].put(pairs, after, then)
+
+    def copy_back(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
+        self.sides[1].put(pairs, after, then)
+
+    def host_wait(self, ev: CpuEvent) -> None:
+        ev.wait_for(ev.recorded)
+        self._raise()
+
+    def synchronize(self) -> None:
+        for side in self.sides:
+            side.drain()
+        self._raise()
+
+    def wait_seconds(self) -> float:
+        s, self._waited = self._waited, 0.0
+        return s
+
+    def close(self) -> None:
+        for side in self.sides:
+            side.close()
+
+    def _raise(self) -> None:
+        for side in self.sides:
+            if side.error is not None:
+                raise RuntimeError(f"a staging copy failed: {side.error}") from side.error

@@ -41,7 +41,6 @@ def run_step(pool, chunk, tables, seed: int, heads: int = H,
     """chunk: [(seq, start, n)]. Every layer attends random q, k, v (the same for every pool,
     by `seed`); returns each layer's output."""
     ids = [i for i, _, _ in chunk]
-    pool.settle()
     meta = build_meta([s for _, s, _ in chunk], [n for _, _, n in chunk],
                       [tables[i] for i in ids], [True] * len(ids), pool.page_size, device)
     g = torch.Generator().manual_seed(seed)
@@ -131,6 +130,7 @@ class CheckedTransport(CpuTransport):
         super().__init__(delay_ms)
         self.ring = None
         self.syncs = self.host_waits = 0
+        self.log: list[str] = []  # "wait" (compute side, for a slot) and "host" (host blocks)
 
     def _slot(self, ev, kind: str) -> int | None:
         events = getattr(self.ring, kind)
@@ -171,6 +171,7 @@ class CheckedTransport(CpuTransport):
         assert self.state[s] == "filled", f"slot {s} read without a fill"
         self.state[s] = "read"
         self.reads += 1
+        self.log.append("wait")
         super().wait(ev)
 
     def record(self, ev):
@@ -182,6 +183,7 @@ class CheckedTransport(CpuTransport):
 
     def host_wait(self, ev):
         self.host_waits += 1
+        self.log.append("host")
         super().host_wait(ev)
 
     def synchronize(self):
@@ -205,6 +207,37 @@ def test_slots_are_recycled_stream_to_stream_only_after_release(depth):
     assert transport.host_waits == len(steps)
     assert transport.syncs == host.ring.stats.reallocations - 1
     assert (host.ring.stats.primed_steps > 0) == (depth < LAYERS)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_primed_step_enqueues_its_first_layers_before_the_host_blocks(depth):
+    """The last step's rows reach the host pages (the host waiting for their write-back) only
+    once the ring must read pages for this step: a step whose first layers came primed has
+    enqueued them by then; a step that was not primed blocks before its first layer."""
+    transport = CheckedTransport(delay_ms=0.5)
+    host = HostKVPool(LAYERS, 64, P, KVH, D, torch.float32, "cpu", depth=depth,
+                      transport=transport, bridge_bytes=0)
+    transport.start(host.ring)
+    device = KVPool(LAYERS, 64, P, KVH, D, torch.float32, "cpu")
+    tables = {0: [3, 4, 5, 6], 1: [9, 10, 11]}
+    # decode steps that stay on the prefill's pages (a window that gains a page is not primed)
+    steps = [[(0, 0, 9), (1, 0, 5)]] + [[(0, 9 + i, 1), (1, 5 + i, 1)] for i in range(3)]
+    before = []  # per step: primed, and its compute-side waits before the host blocked
+    for seed, chunk in enumerate(steps):
+        start, primed = len(transport.log), host.ring.stats.primed_steps
+        a = run_step(device, chunk, tables, seed)
+        b = run_step(host, chunk, tables, seed)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {seed}"
+        log = transport.log[start:]
+        blocked = log.index("host") if "host" in log else None
+        before.append((host.ring.stats.primed_steps > primed, blocked))
+    host.settle()
+    assert torch.equal(device.k, host.k) and torch.equal(device.v, host.v)
+    # the prefill has nothing to wait for; the first decode step is not primed and blocks
+    # first; every later one is, and blocks once its layers up to n_slots - depth are enqueued
+    # (the next delivery is its first unprimed layer's)
+    assert before[:2] == [(False, None), (False, 0)]
+    assert before[2:] == [(True, host.ring.n_slots - depth + 1)] * 2
 
 
 def test_decode_steps_take_their_first_layers_primed_by_the_step_before():
