@@ -82,7 +82,9 @@ class GraphPool(Protocol):
         """A page in every layer's buffers that nothing reads: padding rows write there."""
 
     def step_tables(self) -> list[torch.Tensor]:
-        """This step's page tables, in the buffers' numbering before the page base."""
+        """This step's page tables, in the buffers' numbering before the page base. The same
+        list again means the same tables: a graph copies them to the device only when it
+        changes (the list is never modified in place)."""
 
     def page_bases(self) -> list[int]:
         """Each layer's page base this step: its tables index buffers from there."""
@@ -115,6 +117,7 @@ class StepBuffers:
             self.scratch = triton_kernels().split_scratch(rows, a.n_heads, a.head_dim, splits,
                                                           device)
         self.meta: BatchMeta | None = None  # the step's (for eager pieces' attention)
+        self._tables: list[torch.Tensor] | None = None  # the tables `self.tables` holds
         self.write_page = self.write_offset = None  # [rows], set by piece 0
         self.clear()
 
@@ -135,7 +138,9 @@ class StepBuffers:
         (src,) = device_ints([positions + [0] * pad + positions + [-1] * pad + blocks
                               + [0] * 3 * pad + self.pool.page_bases()], self.ints.device)
         self.ints.copy_(src)
-        self.tables[:starts[-1]].copy_(torch.cat(tables))
+        if tables is not self._tables:  # a host pool hands the same tables while they hold
+            self.tables[:starts[-1]].copy_(torch.cat(tables))
+            self._tables = tables
         self.meta = meta
 
     def locate_rows(self) -> None:

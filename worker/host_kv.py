@@ -9,8 +9,7 @@ A step:
 - `begin_step` packs the batch's pages into the window and renumbers the step's page tables and
   write pages into the slot, once (never per layer); when the batch continues the last step's
   on the same pages, the ring's first layers were already delivered during the last step
-  (primed), and only lack the last step's rows, which each of those layers writes in from the
-  device before its own;
+  (primed), completed on the transfer side with the last step's rows from the device;
 - each layer's `attend` takes its slot from the ring, writes the step's new rows into it,
   attends over it with the same paged attention as the device pool, and releases it;
 - `end_step` copies every layer's new rows back in one device-to-host copy on the transport's
@@ -62,6 +61,13 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
     return t
 
 
+def write_rows(rows: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, layer: int,
+               slot: torch.Tensor) -> None:
+    """A step's rows [L, 2, T, KVH, D] of `layer` into a slot [n, 2, page, KVH, D] at (pages,
+    offsets): what a slot primed for the next step lacks."""
+    slot.transpose(1, 2)[pages, offsets] = rows[layer].transpose(0, 1)
+
+
 def _unregister(ptr: int) -> None:
     torch.cuda.synchronize()  # no copy may still read the pages
     torch.cuda.cudart().cudaHostUnregister(ptr)
@@ -93,9 +99,11 @@ class HostKVPool:
         self.step: BatchMeta | None = None  # the step's metadata as the runner built it
         self.rows: list[torch.Tensor] = []  # k, v of each layer so far: [T, KVH, D] each
         self.primed = 0  # leading layers whose slots came primed from the last step
-        # what those slots lack: the last step's rows [L, 2, T, KVH, D] on the device, and
-        # where they go in the slot (pages, offsets)
-        self.patch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # The last step's rows [L, 2, T, KVH, D] on the device and where they go in the slot
+        # (pages, offsets): what the primes patch in on the transfer side. Kept until the next
+        # end_step: by then the compute side has waited on a delivery queued after every patch
+        # (a used prime, or the first delivery of a step that did not use them; the ordered
+        # path and a reallocation drain the transfer side), so their memory is free to reuse.
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # the last step's (pages used, write pages) and what `_pack` made of them: a decode
         # step that adds no page reuses them (read-only on the device)
@@ -174,7 +182,6 @@ class HostKVPool:
         reuse = self._continues(meta)
         self._prev = None  # until this step completes
         self.primed = self.ring.begin_step(runs, reuse, prime_next=meta.decode_only)
-        self.patch = self._last if self.primed else None
 
     def _pack(self, used: list[list[int]], pages: list[int]) -> tuple:
         """The window's runs, and the step's tables and write pages renumbered into the slot
@@ -218,7 +225,7 @@ class HostKVPool:
         self._open = False
         self._last = (rows, self.meta.write_pages, self.meta.write_offsets)
         self._prev = self._batch
-        self.ring.prime()
+        self.ring.prime(partial(write_rows, *self._last), rows=self._wb_event)
         self.ring.count("writeback", rows.nbytes, 1)
         self.ring.end_step()
 
@@ -255,14 +262,8 @@ class HostLayerView:
         return out
 
     def enter(self) -> torch.Tensor:
-        """The layer's slot [n, 2, page, KVH, D] once delivered, holding the last step's rows
-        where it came primed."""
-        pool = self.pool
-        slot = pool.ring.acquire(self.layer)  # [n, 2, page, KVH, D]
-        if self.layer < pool.primed:
-            rows, pages, offsets = pool.patch  # rows: [L, 2, T, KVH, D]
-            slot.transpose(1, 2)[pages, offsets] = rows[self.layer].transpose(0, 1)
-        return slot
+        """The layer's slot [n, 2, page, KVH, D] once delivered."""
+        return self.pool.ring.acquire(self.layer)
 
     def leave(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """The layer's new rows (for the write-back) are written and its attention enqueued."""

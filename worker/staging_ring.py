@@ -16,13 +16,14 @@ behind the layer just enqueued or the one before it, which a device may still be
 Recycling is ordered stream to stream; the host never blocks on a slot. Slots are numbered across
 steps, so deliveries past the last layer can be the next step's first layers (priming, one per
 slot): for the same window, issued after this step's write-back, used if the next step's batch
-continues this one on the same pages (the caller writes this step's rows, which the host did not
-have yet, into those slots). Before reading pages for a step's own layers (a delivery or the
-ordered path's copy, never a prime), the ring calls its owner's `land`, which brings the pages
-up to date (the last step's rows): a primed step launches its first layers before the host
-does that work. Everything the compute side does to a slot follows a wait on a
-delivery queued after any prime still landing, except on the ordered path, which drains the
-primes first.
+continues this one on the same pages. They are completed on the transfer side, before their
+ready records, by a patch that writes this step's rows (which the host pages may not have yet),
+once the compute side has recorded that those rows exist.
+Before reading pages for a step's own layers (a delivery or the ordered path's copy, never a
+prime), the ring calls its owner's `land`, which brings the pages up to date (the last step's
+rows): a primed step launches its first layers before the host does that work. Everything the
+compute side does to a slot follows a wait on a delivery queued after any prime still landing,
+except on the ordered path, which drains the primes first.
 
 Ordered path (depth 0, or a declined step): copy then attend, one slot, on the compute side.
 A step declines when its ring would pass the budget or its device lacks headroom for it, for
@@ -118,6 +119,7 @@ class StagingRing:
         self.runs: list[Run] = []
         self.n = 0
         self.slots: list[torch.Tensor] = []
+        self._cut: tuple[int, int, int] | None = None  # (buffer, n, slots) self.slots were cut for
 
     @property
     def capacity(self) -> int:
@@ -142,8 +144,7 @@ class StagingRing:
         reuse: the caller vouches that the bytes primed during the last step are still this
         step's (same sequences, continuing, same pages); they are used if the window is the
         same too. prime_next: let `prime` deliver the next step's first layers for this window.
-        Returns how many leading layers come from the primed bytes (their slots lack the last
-        step's rows, which the caller writes in)."""
+        Returns how many leading layers come from the primed bytes."""
         in_flight = self.primed is not None  # primes may still be landing
         primed = reuse and self.primed == runs
         self.primed = None
@@ -158,7 +159,9 @@ class StagingRing:
         moved = self.stats.reallocations
         self._fit(n * slots)
         primed = primed and self.ahead and moved == self.stats.reallocations
-        self.slots = [self.buf[i * n:(i + 1) * n] for i in range(slots)]
+        if self._cut != (self.buf.data_ptr(), n, slots):  # slicing is host time before the step
+            self._cut = (self.buf.data_ptr(), n, slots)
+            self.slots = [self.buf[i * n:(i + 1) * n] for i in range(slots)]
         self.prime_next = prime_next and self.ahead and self.depth < self.n_layers
         if not self.ahead:
             self.stats.ordered_steps += 1
@@ -191,15 +194,23 @@ class StagingRing:
             if self.issued <= layer + self.depth < self.n_layers:
                 self._deliver(layer + self.depth)
 
-    def prime(self) -> None:
-        """After the step's last layer (and its write-back): deliver the next step's first
-        layers for this window, one per slot, if `begin_step` was asked to. They land while the
-        host finishes this step and plans the next, the link's time between steps; nothing waits
-        for them but the layers that use them."""
-        if self.prime_next:
-            for m in range(self.n_layers, self.n_layers + self.n_slots):
-                self._deliver(m)
-            self.primed = self.runs
+    def prime(self, patch: Callable[[int, torch.Tensor], None], rows: object) -> None:
+        """After the step's last layer: deliver the next step's first layers for this window,
+        one per slot, if `begin_step` was asked to. They land while the host finishes this step
+        and plans the next, the link's time between steps; nothing waits for them but the
+        layers that use them. The pages may lack this step's rows: once the copies are issued,
+        the transfer side waits for `rows` (an event the compute side recorded once the rows
+        exist), runs patch(layer, slot) for each to write them in, and only then marks the
+        slots ready. The copies themselves wait only for their slots."""
+        if not self.prime_next:
+            return
+        primes = range(self.n_layers, self.n_layers + self.n_slots)
+        for m in primes:
+            self._deliver(m)
+        slots = [(m % self.n_layers, self.slots[(self.base + m) % self.n_slots]) for m in primes]
+        self.transport.run(lambda: [patch(layer, slot) for layer, slot in slots], after=rows,
+                           then=[self.ready[(self.base + m) % self.n_slots] for m in primes])
+        self.primed = self.runs
 
     def end_step(self) -> None:
         path = "ahead" if self.ahead else "ordered"
@@ -233,15 +244,16 @@ class StagingRing:
     # ---- internals --------------------------------------------------------------------------
 
     def _deliver(self, m: int) -> None:
-        """Layer m of this step into its slot (m >= n_layers: layer m - n_layers of the next)."""
-        if m < self.n_layers:  # a prime reads the pages as they are: its layer is patched
+        """Layer m of this step into its slot; m >= n_layers: layer m - n_layers of the next,
+        a prime, whose ready record `prime` makes once it is patched."""
+        layer, s = m % self.n_layers, (self.base + m) % self.n_slots
+        slot, host = self.slots[s], self.host[layer]
+        if m < self.n_layers:  # a prime reads the pages as they are: `prime` patches it
             self.land()
-        s = (self.base + m) % self.n_slots
-        slot, host = self.slots[s], self.host[m % self.n_layers]
         self._windows += 1
         self.transport.copy(
             [(slot[off:off + count], host[start:start + count]) for start, count, off in self.runs],
-            after=self.release[s], then=self.ready[s],
+            after=self.release[s], then=self.ready[s] if m < self.n_layers else None,
         )
 
     def _take_ring(self) -> bool:
@@ -280,7 +292,7 @@ class StagingRing:
             spare = self.free_bytes() + cap * self.page_bytes - HEADROOM_BYTES
             if target * self.page_bytes > spare:
                 target = need
-        self.buf, self.slots = None, []  # the old buffer goes before the new comes
+        self.buf, self.slots, self._cut = None, [], None  # the old buffer goes before the new
         # zeros, not empty: no slot ever holds NaN garbage, not even where a mask hides it
         self.buf = torch.zeros((target + 1, *self.host.shape[2:]), dtype=self.host.dtype,
                                device=self.device)

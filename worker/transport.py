@@ -22,7 +22,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -51,6 +51,10 @@ class Transport(Protocol):
 
     def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
         """On the transfer side: wait for `after`, copy each (dst, src), then record `then`."""
+
+    def run(self, fn: Callable[[], None], after: Any, then: Sequence[Any]) -> None:
+        """On the transfer side: wait for `after`, run `fn` (device work completing earlier
+        copies; the tensors it reads must outlive it), then record each event of `then`."""
 
     def copy_back(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
         """As `copy`, on the write-back side."""
@@ -108,6 +112,17 @@ class CudaTransport:
 
     def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
         self._copy(self.stream, pairs, after, then)
+
+    def run(self, fn: Callable[[], None], after: Any, then: Sequence[Any]) -> None:
+        s = self.stream
+        s.wait_event(after)
+        torch.cuda.set_stream(s)
+        try:
+            fn()
+        finally:
+            torch.cuda.set_stream(self.compute)
+        for ev in then:
+            ev.record(s)
 
     def copy_back(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
         self._copy(self.back, pairs, after, then)
@@ -181,18 +196,19 @@ class CopyThread:
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    def put(self, pairs: Sequence[Pair], after: CpuEvent | None, then: CpuEvent | None) -> None:
+    def put(self, pairs: Sequence[Pair], after: CpuEvent | None, then: Sequence[CpuEvent],
+            fn: Callable[[], None] | None = None) -> None:
         need = after.recorded if after is not None else 0
-        gen = 0
-        if then is not None:
-            with then.cond:
-                then.recorded += 1
-                gen = then.recorded
-        self.queue.put((after, need, list(pairs), then, gen))
+        records = []
+        for ev in then:
+            with ev.cond:
+                ev.recorded += 1
+                records.append((ev, ev.recorded))
+        self.queue.put((after, need, list(pairs), fn, records))
 
     def drain(self) -> None:
         done = CpuEvent()
-        self.queue.put((None, 0, [], done, 1))
+        self.put([], None, [done])
         done.wait_for(1)
 
     def close(self) -> None:
@@ -203,7 +219,7 @@ class CopyThread:
         # The ring's buffers are made under inference mode; writing them needs it too.
         with torch.inference_mode():
             while (item := self.queue.get()) is not None:
-                after, need, pairs, then, gen = item
+                after, need, pairs, fn, records = item
                 try:
                     if after is not None:
                         after.wait_for(need)
@@ -211,11 +227,13 @@ class CopyThread:
                         if self.delay:
                             time.sleep(self.delay)
                         dst.copy_(src)
+                    if fn is not None:
+                        fn()
                 except BaseException as e:  # surfaced on the compute side's next wait
                     self.error = e
                 finally:
-                    if then is not None:
-                        then.complete(gen)
+                    for ev, gen in records:
+                        ev.complete(gen)
 
 
 class CpuTransport:
@@ -242,10 +260,13 @@ class CpuTransport:
         self._raise()
 
     def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
-        self.sides[0].put(pairs, after, then)
+        self.sides[0].put(pairs, after, [] if then is None else [then])
+
+    def run(self, fn: Callable[[], None], after: Any, then: Sequence[Any]) -> None:
+        self.sides[0].put([], after, then, fn)
 
     def copy_back(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
-        self.sides[1].put(pairs, after, then)
+        self.sides[1].put(pairs, after, [] if then is None else [then])
 
     def host_wait(self, ev: CpuEvent) -> None:
         ev.wait_for(ev.recorded)

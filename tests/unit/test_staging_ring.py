@@ -122,14 +122,15 @@ def test_a_missing_ready_wait_is_exposed_by_delayed_copies():
 class CheckedTransport(CpuTransport):
     """Checks the ring's event protocol as it is issued. A slot goes filled -> read -> released
     -> filled ...: a fill waits for the slot's release event and needs every read of the slot
-    released (a fill nobody read, a discarded prime, may be filled over); a read needs a fill;
-    while a step's own deliveries run, no more than `depth` fills are unread; a step's primes
-    for the next fill every slot."""
+    released (a fill nobody read, a discarded prime, may be filled over); a read needs a fill,
+    and a prime's fill counts only once it is patched (its ready records come after the patch,
+    which waits for the step's rows); while a step's own deliveries run, no more than `depth`
+    fills are unread; a step's primes for the next fill every slot."""
 
     def __init__(self, delay_ms: float = 0.0):
         super().__init__(delay_ms)
         self.ring = None
-        self.syncs = self.host_waits = 0
+        self.syncs = self.host_waits = self.patches = 0
         self.log: list[str] = []  # "wait" (compute side, for a slot) and "host" (host blocks)
 
     def _slot(self, ev, kind: str) -> int | None:
@@ -139,26 +140,40 @@ class CheckedTransport(CpuTransport):
     def start(self, ring) -> None:
         self.ring = ring
         self.state = ["released"] * ring.n_slots
+        self.unpatched: set[int] = set()
         self.reads = 0
         prime = ring.prime
 
-        def priming():
+        def priming(patch, rows):
             self.priming = True
-            prime()
+            prime(patch, rows)
             self.priming = False
         self.priming = False
         ring.prime = priming
 
     def copy(self, pairs, after=None, then=None):
-        s = self._slot(then, "ready")
-        if s is not None:
-            assert after is self.ring.release[s], "a refill must wait for its slot's release"
-            assert self.state[s] in ("released", "filled"), f"slot {s} refilled while read"
-            self.state[s] = "filled"
-            ahead = self.state.count("filled")
-            limit = self.ring.n_slots if self.priming or self.primed_unread() else self.ring.depth
-            assert ahead <= limit, f"{ahead} layers in flight, depth {self.ring.depth}"
+        s = self._slot(after, "release")
+        assert s is not None, "every delivery waits for its slot's release"
+        assert self.state[s] in ("released", "filled"), f"slot {s} refilled while read"
+        if then is None:
+            assert self.priming, "only a prime leaves its ready record for later"
+            self.unpatched.add(s)
+        else:
+            assert then is self.ring.ready[s] and not self.priming
+        self.state[s] = "filled"
+        ahead = self.state.count("filled")
+        limit = self.ring.n_slots if self.priming or self.primed_unread() else self.ring.depth
+        assert ahead <= limit, f"{ahead} layers in flight, depth {self.ring.depth}"
         super().copy(pairs, after, then)
+
+    def run(self, fn, after, then):
+        # the rows are the step's last compute work: the patches wait for its latest record
+        assert self.priming and after is self.last_record
+        slots = {self._slot(ev, "ready") for ev in then}
+        assert slots == self.unpatched == set(range(self.ring.n_slots)), "patch every prime"
+        self.unpatched.clear()
+        self.patches += 1
+        super().run(fn, after, then)
 
     def primed_unread(self) -> bool:
         """Whether fills made by the last primes (used or discarded) may still be unread: until
@@ -169,12 +184,14 @@ class CheckedTransport(CpuTransport):
         s = self._slot(ev, "ready")
         assert s is not None, "the compute side waits only on ready events"
         assert self.state[s] == "filled", f"slot {s} read without a fill"
+        assert s not in self.unpatched, f"slot {s} read before its patch"
         self.state[s] = "read"
         self.reads += 1
         self.log.append("wait")
         super().wait(ev)
 
     def record(self, ev):
+        self.last_record = ev
         s = self._slot(ev, "release")
         if s is not None:
             assert self.state[s] == "read", f"slot {s} released before it was read"
