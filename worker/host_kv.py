@@ -117,7 +117,9 @@ class HostKVPool:
         self._wb_done = None if self.transport is None else self.transport.event()
         self._wb_host: torch.Tensor | None = None
         if self.transport is not None:
-            weakref.finalize(self, self.transport.close).atexit = False
+            # at exit too: a copy thread still inside torch code while the interpreter tears
+            # down aborts the process
+            weakref.finalize(self, self.transport.close)
 
     @property
     def bytes_per_page(self) -> int:

@@ -3,6 +3,10 @@ for any placement, batch, depth and exact mode, also with every copy delayed; sl
 after their readers released them; budget and headroom declines that last one step."""
 
 import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -416,3 +420,26 @@ def test_model_runner_hidden_states_and_tokens_match_the_device_pool(depth):
         results.append(out)
     for (h1, t1), (h2, t2) in zip(*results, strict=True):
         assert torch.equal(h1, h2) and t1 == t2
+
+
+def test_a_process_exits_cleanly_while_primes_are_still_copying():
+    """The copy threads are stopped at exit: a thread still inside a torch copy while the
+    interpreter tears down aborts the process (a worker would die with SIGABRT on shutdown)."""
+    script = textwrap.dedent("""
+        import torch
+        from worker.batch import build_meta
+        from worker.host_kv import HostKVPool
+        pool = HostKVPool(16, 300, 16, 8, 64, torch.bfloat16, "cpu", depth=2)
+        table, z = list(range(1, 200)), torch.zeros(1, 8, 64, dtype=torch.bfloat16)
+        for pos in range(2048, 2052):  # decode steps: each ends by priming 4 large layers
+            meta = build_meta([pos], [1], [table], [True], 16, "cpu")
+            pool.begin_step(meta, {1: table})
+            for layer in pool.layers:
+                layer.enter()
+                layer.leave(z, z)
+            pool.end_step()
+    """)
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
