@@ -198,18 +198,19 @@ class StagingRing:
         """After the step's last layer: deliver the next step's first layers for this window,
         one per slot, if `begin_step` was asked to. They land while the host finishes this step
         and plans the next, the link's time between steps; nothing waits for them but the
-        layers that use them. The pages may lack this step's rows: once the copies are issued,
-        the transfer side waits for `rows` (an event the compute side recorded once the rows
-        exist), runs patch(layer, slot) for each to write them in, and only then marks the
-        slots ready. The copies themselves wait only for their slots."""
+        layers that use them. The pages may lack this step's rows: after each copy the transfer
+        side waits for `rows` (an event the compute side recorded once the rows exist), runs
+        patch(layer, slot) to write them in, and only then marks the slot ready. Each prime is
+        ready on its own, so the next step's first layer waits for one copy, not all of them;
+        the wait costs the link nothing once a copy outlasts a layer's compute."""
         if not self.prime_next:
             return
-        primes = range(self.n_layers, self.n_layers + self.n_slots)
-        for m in primes:
+        for m in range(self.n_layers, self.n_layers + self.n_slots):
+            layer, s = m - self.n_layers, (self.base + m) % self.n_slots
             self._deliver(m)
-        slots = [(m % self.n_layers, self.slots[(self.base + m) % self.n_slots]) for m in primes]
-        self.transport.run(lambda: [patch(layer, slot) for layer, slot in slots], after=rows,
-                           then=[self.ready[(self.base + m) % self.n_slots] for m in primes])
+            slot = self.slots[s]
+            self.transport.run(lambda layer=layer, slot=slot: patch(layer, slot), after=rows,
+                               then=[self.ready[s]])
         self.primed = self.runs
 
     def end_step(self) -> None:
