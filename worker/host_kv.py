@@ -98,7 +98,6 @@ class HostKVPool:
         self.meta: BatchMeta | None = None  # the step's metadata, renumbered into the slot
         self.step: BatchMeta | None = None  # the step's metadata as the runner built it
         self.rows: list[torch.Tensor] = []  # k, v of each layer so far: [T, KVH, D] each
-        self.primed = 0  # leading layers whose slots came primed from the last step
         # The last step's rows [L, 2, T, KVH, D] on the device and where they go in the slot
         # (pages, offsets): what the primes patch in on the transfer side. Kept until the next
         # end_step: by then the compute side has waited on a delivery queued after every patch
@@ -153,7 +152,7 @@ class HostKVPool:
     def _land(self) -> None:
         """Wait for the last write-back and scatter its rows into their pages. Primes may still
         be reading those pages: they are torn at most where these rows land, and those are the
-        bytes a primed layer writes in from the device."""
+        bytes each prime's patch writes in from the device."""
         if self._writeback is None:
             return
         self.ring.settle(self._wb_done)
@@ -183,7 +182,7 @@ class HostKVPool:
         self._batch = (tuple(tables), used, meta.context_lens)
         reuse = self._continues(meta)
         self._prev = None  # until this step completes
-        self.primed = self.ring.begin_step(runs, reuse, prime_next=meta.decode_only)
+        self.ring.begin_step(runs, reuse, prime_next=meta.decode_only)
 
     def _pack(self, used: list[list[int]], pages: list[int]) -> tuple:
         """The window's runs, and the step's tables and write pages renumbered into the slot

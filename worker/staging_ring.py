@@ -138,13 +138,12 @@ class StagingRing:
 
     # ---- per step ---------------------------------------------------------------------------
 
-    def begin_step(self, runs: list[Run], reuse: bool = False, prime_next: bool = False) -> int:
+    def begin_step(self, runs: list[Run], reuse: bool = False, prime_next: bool = False) -> None:
         """Stage a step whose window is `runs`; on the ring path, deliver the first layers.
 
         reuse: the caller vouches that the bytes primed during the last step are still this
         step's (same sequences, continuing, same pages); they are used if the window is the
-        same too. prime_next: let `prime` deliver the next step's first layers for this window.
-        Returns how many leading layers come from the primed bytes."""
+        same too. prime_next: let `prime` deliver the next step's first layers for this window."""
         in_flight = self.primed is not None  # primes may still be landing
         primed = reuse and self.primed == runs
         self.primed = None
@@ -165,14 +164,13 @@ class StagingRing:
         self.prime_next = prime_next and self.ahead and self.depth < self.n_layers
         if not self.ahead:
             self.stats.ordered_steps += 1
-            return 0
+            return
         self.stats.ring_steps += 1
         self.stats.primed_steps += primed
         first = self.n_slots if primed else 0  # only a depth below n_layers is ever primed
         for m in range(first, min(self.depth, self.n_layers)):
             self._deliver(m)
         self.issued = max(first, self.depth)
-        return first
 
     def acquire(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s window in its slot, once it has landed: [n, 2, page, KVH, D]."""

@@ -1,4 +1,4 @@
-"""Transports: how the staging ring moves bytes and orders its two sides.
+"""Transports: how the staging ring moves bytes and orders its sides.
 
 A transport has a compute side (where attention runs), a transfer side (a FIFO of copies to the
 device) and a write-back side (a FIFO of copies back to the host, of its own so that a
