@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -206,8 +207,7 @@ class StagingRing:
         for m in range(self.n_layers, self.n_layers + self.n_slots):
             layer, s = m - self.n_layers, (self.base + m) % self.n_slots
             self._deliver(m)
-            slot = self.slots[s]
-            self.transport.run(lambda layer=layer, slot=slot: patch(layer, slot), after=rows,
+            self.transport.run(partial(patch, layer, self.slots[s]), after=rows,
                                then=[self.ready[s]])
         self.primed = self.runs
 

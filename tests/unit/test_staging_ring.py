@@ -134,7 +134,7 @@ class CheckedTransport(CpuTransport):
     def __init__(self, delay_ms: float = 0.0):
         super().__init__(delay_ms)
         self.ring = None
-        self.syncs = self.host_waits = self.patches = 0
+        self.syncs = self.host_waits = 0
         self.log: list[str] = []  # "wait" (compute side, for a slot) and "host" (host blocks)
 
     def _slot(self, ev, kind: str) -> int | None:
@@ -177,7 +177,6 @@ class CheckedTransport(CpuTransport):
         (s,) = (self._slot(ev, "ready") for ev in then)
         assert s in self.unpatched, "a patch follows its prime's copy"
         self.unpatched.remove(s)
-        self.patches += 1
         super().run(fn, after, then)
 
     def primed_unread(self) -> bool:
