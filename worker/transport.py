@@ -111,23 +111,16 @@ class CudaTransport:
         self._timed.append((a, b))
 
     def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
-        self._copy(self.stream, pairs, after, then)
+        self._issue(self.stream, pairs, after, [] if then is None else [then])
 
     def run(self, fn: Callable[[], None], after: Any, then: Sequence[Any]) -> None:
-        s = self.stream
-        s.wait_event(after)
-        torch.cuda.set_stream(s)
-        try:
-            fn()
-        finally:
-            torch.cuda.set_stream(self.compute)
-        for ev in then:
-            ev.record(s)
+        self._issue(self.stream, [], after, then, fn)
 
     def copy_back(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
-        self._copy(self.back, pairs, after, then)
+        self._issue(self.back, pairs, after, [] if then is None else [then])
 
-    def _copy(self, s: torch.cuda.Stream, pairs: Sequence[Pair], after: Any, then: Any) -> None:
+    def _issue(self, s: torch.cuda.Stream, pairs: Sequence[Pair], after: Any,
+               then: Sequence[Any], fn: Callable[[], None] | None = None) -> None:
         if after is not None:
             s.wait_event(after)
         # set_stream rather than the `torch.cuda.stream` context, which costs several stream
@@ -138,10 +131,12 @@ class CudaTransport:
                 if self.delay_cycles:
                     torch.cuda._sleep(self.delay_cycles)
                 dst.copy_(src, non_blocking=True)
+            if fn is not None:
+                fn()
         finally:
             torch.cuda.set_stream(self.compute)
-        if then is not None:
-            then.record(s)
+        for ev in then:
+            ev.record(s)
 
     def host_wait(self, ev: torch.cuda.Event) -> None:
         ev.synchronize()
