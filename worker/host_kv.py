@@ -9,7 +9,7 @@ A step:
 - `begin_step` packs the batch's pages into the window and renumbers the step's page tables and
   write pages into the slot, once (never per layer); when the batch continues the last step's
   on the same pages, the ring's first layers were already delivered during the last step
-  (primed), completed on the transfer side with the last step's rows from the device;
+  (primed), completed on the write-back side with the last step's rows from the device;
 - each layer's `attend` takes its slot from the ring, writes the step's new rows into it,
   attends over it with the same paged attention as the device pool, and releases it;
 - `end_step` copies every layer's new rows back in one device-to-host copy on the transport's
@@ -99,10 +99,11 @@ class HostKVPool:
         self.step: BatchMeta | None = None  # the step's metadata as the runner built it
         self.rows: list[torch.Tensor] = []  # k, v of each layer so far: [T, KVH, D] each
         # The last step's rows [L, 2, T, KVH, D] on the device and where they go in the slot
-        # (pages, offsets): what the primes patch in on the transfer side. Kept until the next
-        # end_step: by then the compute side has waited on a delivery queued after every patch
-        # (a used prime, or the first delivery of a step that did not use them; the ordered
-        # path and a reallocation drain the transfer side), so their memory is free to reuse.
+        # (pages, offsets): what the primes patch in on the write-back side. Kept until the
+        # next end_step: by then the compute side has waited on an event recorded after every
+        # patch (a used prime's, or the first delivery of a step that did not use them, which
+        # waits for the last patch; the ordered path and a reallocation drain every side), so
+        # their memory is free to reuse.
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # the last step's (pages used, write pages) and what `_pack` made of them: a decode
         # step that adds no page reuses them (read-only on the device)
@@ -220,7 +221,8 @@ class HostKVPool:
         else:
             host = self._host_rows(rows.numel()).view(rows.shape)
             self.transport.record(self._wb_event)
-            self.transport.copy_back([(host, rows)], after=self._wb_event, then=self._wb_done)
+            self.transport.copy_back([(host, rows)], after=(self._wb_event,),
+                                    then=self._wb_done)
         # rows stays referenced until `_land`: the copy may still be reading it
         self._writeback = (host, rows, *self._write)
         self._open = False

@@ -16,9 +16,11 @@ behind the layer just enqueued or the one before it, which a device may still be
 Recycling is ordered stream to stream; the host never blocks on a slot. Slots are numbered across
 steps, so deliveries past the last layer can be the next step's first layers (priming, one per
 slot): for the same window, issued after this step's write-back, used if the next step's batch
-continues this one on the same pages. They are completed on the transfer side, before their
-ready records, by a patch that writes this step's rows (which the host pages may not have yet),
-once the compute side has recorded that those rows exist.
+continues this one on the same pages. Each is completed, before its ready record, by a patch on
+the write-back side that writes this step's rows (which the host pages may not have yet) once
+its copy has landed and the compute side has recorded that those rows exist: the transfer side
+only copies, so the link never idles behind a patch. A step that does not use them makes its
+first delivery wait for the last patch, so that no delivery races a patch of its slot.
 Before reading pages for a step's own layers (a delivery or the ordered path's copy, never a
 prime), the ring calls its owner's `land`, which brings the pages up to date (the last step's
 rows): a primed step launches its first layers before the host does that work. Everything the
@@ -109,9 +111,12 @@ class StagingRing:
         events = depth > 0 and transport is not None
         self.ready = [transport.event() for _ in range(self.n_slots)] if events else []
         self.release = [transport.event() for _ in range(self.n_slots)] if events else []
+        self.copied = [transport.event() for _ in range(self.n_slots)] if events else []  # primes'
         self.ahead = False
         self.prime_next = False
         self.primed: list[Run] | None = None  # the window the next step's first layers hold
+        self._last_patch = None  # the last prime's ready event: its patch is the last of them
+        self._unused = None  # the same, for this step's first delivery, if they go unused
         # Slots are numbered across steps (layer l of a step takes slot (base + l) % n_slots), so
         # a layer primed for the next step follows the same ring order as any other delivery.
         self.base = 0
@@ -147,7 +152,7 @@ class StagingRing:
         same too. prime_next: let `prime` deliver the next step's first layers for this window."""
         in_flight = self.primed is not None  # primes may still be landing
         primed = reuse and self.primed == runs
-        self.primed = None
+        self.primed = self._unused = None
         self._windows = 0
         self.runs = runs
         self.n = n = runs[-1][1] + runs[-1][2]
@@ -168,6 +173,8 @@ class StagingRing:
             return
         self.stats.ring_steps += 1
         self.stats.primed_steps += primed
+        if in_flight and not primed:  # a delivery may refill a slot a patch has yet to write
+            self._unused = self._last_patch
         first = self.n_slots if primed else 0  # only a depth below n_layers is ever primed
         for m in range(first, min(self.depth, self.n_layers)):
             self._deliver(m)
@@ -198,17 +205,18 @@ class StagingRing:
         one per slot, if `begin_step` was asked to. They land while the host finishes this step
         and plans the next, the link's time between steps; nothing waits for them but the
         layers that use them. The pages may lack this step's rows: after each copy the transfer
-        side waits for `rows` (an event the compute side recorded once the rows exist), runs
-        patch(layer, slot) to write them in, and only then marks the slot ready. Each prime is
-        ready on its own, so the next step's first layer waits for one copy, not all of them;
-        the wait costs the link nothing once a copy outlasts a layer's compute."""
+        side waits for `rows` (an event the compute side recorded once the rows exist) on the
+        write-back side, runs patch(layer, slot) there to write them in, and only then marks the
+        slot ready. Each prime is ready on its own, so the next step's first layer waits for one
+        copy, not all of them, and the transfer side goes on copying the next."""
         if not self.prime_next:
             return
         for m in range(self.n_layers, self.n_layers + self.n_slots):
             layer, s = m - self.n_layers, (self.base + m) % self.n_slots
             self._deliver(m)
-            self.transport.run(partial(patch, layer, self.slots[s]), after=rows,
-                               then=[self.ready[s]])
+            self.transport.run(partial(patch, layer, self.slots[s]),
+                               after=(self.copied[s], rows), then=[self.ready[s]])
+            self._last_patch = self.ready[s]
         self.primed = self.runs
 
     def end_step(self) -> None:
@@ -247,12 +255,17 @@ class StagingRing:
         a prime, whose ready record `prime` makes once it is patched."""
         layer, s = m % self.n_layers, (self.base + m) % self.n_slots
         slot, host = self.slots[s], self.host[layer]
-        if m < self.n_layers:  # a prime reads the pages as they are: `prime` patches it
+        own = m < self.n_layers
+        if own:  # a prime reads the pages as they are: `prime` patches it
             self.land()
+        after = [self.release[s]]
+        if self._unused is not None:  # the write-back side is a FIFO: the last patch is enough
+            after.append(self._unused)
+            self._unused = None
         self._windows += 1
         self.transport.copy(
             [(slot[off:off + count], host[start:start + count]) for start, count, off in self.runs],
-            after=self.release[s], then=self.ready[s] if m < self.n_layers else None,
+            after=after, then=self.ready[s] if own else self.copied[s],
         )
 
     def _take_ring(self) -> bool:

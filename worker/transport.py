@@ -1,17 +1,18 @@
 """Transports: how the staging ring moves bytes and orders its sides.
 
 A transport has a compute side (where attention runs), a transfer side (a FIFO of copies to the
-device) and a write-back side (a FIFO of copies back to the host, of its own so that a
-write-back, which waits for the step's last layer, never holds up the deliveries queued after
-it), and events that order one against another the way CUDA events order streams: `wait` and
-`copy(after=...)` capture the event's latest record at the time they are called, never a later
-one, and nothing blocks the host except `host_wait` and `synchronize` (and, on the CPU, the
-compute side's `wait`, because there the host thread *is* the compute stream).
+device, and nothing else, so that the link never waits on anything but a slot's release) and a
+write-back side (a FIFO of copies back to the host and of device work that completes earlier
+copies, which wait for the compute side; of its own, so that none of it holds up the deliveries
+queued after it), and events that order one against another the way CUDA events order streams:
+`wait` and `copy(after=...)` capture each event's latest record at the time they are called,
+never a later one, and nothing blocks the host except `host_wait` and `synchronize` (and, on the
+CPU, the compute side's `wait`, because there the host thread *is* the compute stream).
 
 `CudaTransport` is two dedicated CUDA streams with `torch.cuda.Event`s. `CpuTransport` is two
 copy threads over FIFOs with events of their own, so the same ring logic runs in CI. Both take
-`delay_ms`, a fault injection that delays every copy on either side: with it a missing wait shows
-up as wrong bytes instead of staying hidden behind a fast copy. `make_transport` reads it from
+`delay_ms`, a fault injection that delays every copy and every `run` on either side: with it a
+missing wait shows up as wrong bytes instead of staying hidden behind a fast copy. `make_transport` reads it from
 `SIDING_TRANSPORT_DELAY_MS`.
 """
 
@@ -49,15 +50,17 @@ class Transport(Protocol):
     def wait(self, ev: Any) -> None:
         """Make the compute side wait for `ev`'s latest record."""
 
-    def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
-        """On the transfer side: wait for `after`, copy each (dst, src), then record `then`."""
+    def copy(self, pairs: Sequence[Pair], after: Sequence[Any] = (), then: Any = None) -> None:
+        """On the transfer side: wait for each event of `after`, copy each (dst, src), then
+        record `then`."""
 
-    def run(self, fn: Callable[[], None], after: Any, then: Sequence[Any]) -> None:
-        """On the transfer side: wait for `after`, run `fn` (device work completing earlier
-        copies; the tensors it reads must outlive it), then record each event of `then`."""
-
-    def copy_back(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
+    def copy_back(self, pairs: Sequence[Pair], after: Sequence[Any] = (), then: Any = None) -> None:
         """As `copy`, on the write-back side."""
+
+    def run(self, fn: Callable[[], None], after: Sequence[Any], then: Sequence[Any]) -> None:
+        """On the write-back side: wait for each event of `after`, run `fn` (device work
+        completing earlier copies; the tensors it reads must outlive it), then record each event
+        of `then`."""
 
     def host_wait(self, ev: Any) -> None:
         """Block the host until `ev`'s latest record has completed."""
@@ -110,19 +113,19 @@ class CudaTransport:
         b.record(self.compute)
         self._timed.append((a, b))
 
-    def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
+    def copy(self, pairs: Sequence[Pair], after: Sequence[Any] = (), then: Any = None) -> None:
         self._issue(self.stream, pairs, after, [] if then is None else [then])
 
-    def run(self, fn: Callable[[], None], after: Any, then: Sequence[Any]) -> None:
-        self._issue(self.stream, [], after, then, fn)
-
-    def copy_back(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
+    def copy_back(self, pairs: Sequence[Pair], after: Sequence[Any] = (), then: Any = None) -> None:
         self._issue(self.back, pairs, after, [] if then is None else [then])
 
-    def _issue(self, s: torch.cuda.Stream, pairs: Sequence[Pair], after: Any,
+    def run(self, fn: Callable[[], None], after: Sequence[Any], then: Sequence[Any]) -> None:
+        self._issue(self.back, [], after, then, fn)
+
+    def _issue(self, s: torch.cuda.Stream, pairs: Sequence[Pair], after: Sequence[Any],
                then: Sequence[Any], fn: Callable[[], None] | None = None) -> None:
-        if after is not None:
-            s.wait_event(after)
+        for ev in after:
+            s.wait_event(ev)
         # set_stream rather than the `torch.cuda.stream` context, which costs several stream
         # lookups a layer; the streams are all on the one device this worker process drives
         torch.cuda.set_stream(s)
@@ -132,6 +135,8 @@ class CudaTransport:
                     torch.cuda._sleep(self.delay_cycles)
                 dst.copy_(src, non_blocking=True)
             if fn is not None:
+                if self.delay_cycles:
+                    torch.cuda._sleep(self.delay_cycles)
                 fn()
         finally:
             torch.cuda.set_stream(self.compute)
@@ -161,7 +166,10 @@ class CudaTransport:
 
 class CpuEvent:
     """An event with generations: `recorded` counts records enqueued, `done` those completed.
-    Each event is recorded on one side only (ready: transfer, release: compute)."""
+    A wait passes once `done` reaches its generation, so an event's records must complete in
+    the order they were made: the ring orders any two records of one event, even when they are
+    made on two sides (a slot's ready: by a delivery on the transfer side, or by a prime's patch
+    on the write-back side)."""
 
     __slots__ = ("cond", "recorded", "done")
 
@@ -191,19 +199,19 @@ class CopyThread:
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    def put(self, pairs: Sequence[Pair], after: CpuEvent | None, then: Sequence[CpuEvent],
+    def put(self, pairs: Sequence[Pair], after: Sequence[CpuEvent], then: Sequence[CpuEvent],
             fn: Callable[[], None] | None = None) -> None:
-        need = after.recorded if after is not None else 0
+        needs = [(ev, ev.recorded) for ev in after]
         records = []
         for ev in then:
             with ev.cond:
                 ev.recorded += 1
                 records.append((ev, ev.recorded))
-        self.queue.put((after, need, list(pairs), fn, records))
+        self.queue.put((needs, list(pairs), fn, records))
 
     def drain(self) -> None:
         done = CpuEvent()
-        self.put([], None, [done])
+        self.put([], (), [done])
         done.wait_for(1)
 
     def close(self) -> None:
@@ -214,15 +222,17 @@ class CopyThread:
         # The ring's buffers are made under inference mode; writing them needs it too.
         with torch.inference_mode():
             while (item := self.queue.get()) is not None:
-                after, need, pairs, fn, records = item
+                needs, pairs, fn, records = item
                 try:
-                    if after is not None:
-                        after.wait_for(need)
+                    for ev, need in needs:
+                        ev.wait_for(need)
                     for dst, src in pairs:
                         if self.delay:
                             time.sleep(self.delay)
                         dst.copy_(src)
                     if fn is not None:
+                        if self.delay:
+                            time.sleep(self.delay)
                         fn()
                 except BaseException as e:  # surfaced on the compute side's next wait
                     self.error = e
@@ -254,14 +264,14 @@ class CpuTransport:
         self._waited += time.perf_counter() - t0
         self._raise()
 
-    def copy(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
+    def copy(self, pairs: Sequence[Pair], after: Sequence[Any] = (), then: Any = None) -> None:
         self.sides[0].put(pairs, after, [] if then is None else [then])
 
-    def run(self, fn: Callable[[], None], after: Any, then: Sequence[Any]) -> None:
-        self.sides[0].put([], after, then, fn)
-
-    def copy_back(self, pairs: Sequence[Pair], after: Any = None, then: Any = None) -> None:
+    def copy_back(self, pairs: Sequence[Pair], after: Sequence[Any] = (), then: Any = None) -> None:
         self.sides[1].put(pairs, after, [] if then is None else [then])
+
+    def run(self, fn: Callable[[], None], after: Sequence[Any], then: Sequence[Any]) -> None:
+        self.sides[1].put([], after, then, fn)
 
     def host_wait(self, ev: CpuEvent) -> None:
         ev.wait_for(ev.recorded)

@@ -6,6 +6,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -126,9 +127,10 @@ def test_a_missing_ready_wait_is_exposed_by_delayed_copies():
 class CheckedTransport(CpuTransport):
     """Checks the ring's event protocol as it is issued. A slot goes filled -> read -> released
     -> filled ...: a fill waits for the slot's release event and needs every read of the slot
-    released (a fill nobody read, a discarded prime, may be filled over); a read needs a fill,
-    and a prime's fill counts only once it is patched (its ready records come after the patch,
-    which waits for the step's rows); while a step's own deliveries run, no more than `depth`
+    released (a fill nobody read, a discarded prime, may be filled over, once the transfer side
+    has waited for its patch); a read needs a fill, and a prime's fill counts only once it is
+    patched (its ready record comes after the patch, which waits on the write-back side for the
+    prime's copy and the step's rows); while a step's own deliveries run, no more than `depth`
     fills are unread; a step's primes for the next fill every slot."""
 
     def __init__(self, delay_ms: float = 0.0):
@@ -144,7 +146,8 @@ class CheckedTransport(CpuTransport):
     def start(self, ring) -> None:
         self.ring = ring
         self.state = ["released"] * ring.n_slots
-        self.unpatched: set[int] = set()
+        self.unpatched: set[int] = set()  # primes copied, not yet patched
+        self.patching: set[int] = set()  # patches the transfer side is not ordered after
         self.reads = 0
         prime = ring.prime
 
@@ -156,15 +159,20 @@ class CheckedTransport(CpuTransport):
         self.priming = False
         ring.prime = priming
 
-    def copy(self, pairs, after=None, then=None):
-        s = self._slot(after, "release")
+    def copy(self, pairs, after=(), then=None):
+        s = self._slot(after[0], "release")
         assert s is not None, "every delivery waits for its slot's release"
+        if len(after) > 1:  # and for the last patch of primes it does not use
+            (last,) = after[1:]
+            assert self.patching and last is self.patched, "only the last patch is waited for"
+            self.patching.clear()
+        assert s not in self.patching, f"slot {s} refilled under its prime's patch"
         assert self.state[s] in ("released", "filled"), f"slot {s} refilled while read"
-        if then is None:
-            assert self.priming, "only a prime leaves its ready record for later"
+        if self.priming:
+            assert then is self.ring.copied[s], "a prime leaves its ready record to its patch"
             self.unpatched.add(s)
         else:
-            assert then is self.ring.ready[s] and not self.priming
+            assert then is self.ring.ready[s]
         self.state[s] = "filled"
         ahead = self.state.count("filled")
         limit = self.ring.n_slots if self.priming or self.primed_unread() else self.ring.depth
@@ -173,10 +181,12 @@ class CheckedTransport(CpuTransport):
 
     def run(self, fn, after, then):
         # the rows are the step's last compute work: the patches wait for its latest record
-        assert self.priming and after is self.last_record
         (s,) = (self._slot(ev, "ready") for ev in then)
+        assert self.priming and tuple(after) == (self.ring.copied[s], self.last_record)
         assert s in self.unpatched, "a patch follows its prime's copy"
         self.unpatched.remove(s)
+        self.patching.add(s)
+        self.patched = then[0]
         super().run(fn, after, then)
 
     def primed_unread(self) -> bool:
@@ -189,6 +199,7 @@ class CheckedTransport(CpuTransport):
         assert s is not None, "the compute side waits only on ready events"
         assert self.state[s] == "filled", f"slot {s} read without a fill"
         assert s not in self.unpatched, f"slot {s} read before its patch"
+        self.patching.discard(s)  # the slot's next fill waits for the release that follows
         self.state[s] = "read"
         self.reads += 1
         self.log.append("wait")
@@ -281,6 +292,44 @@ def test_primed_bytes_are_dropped_when_sequences_move_within_the_same_pages():
         for t in (pool.k, pool.v):
             t[:, [3, 4, 5, 6]] = t[:, [5, 6, 3, 4]].clone()
     primed = host.ring.stats.primed_steps
+    assert_same_run(device, host, {0: [5, 6], 1: [3, 4]}, [[(0, 7, 1), (1, 7, 1)]])
+    assert host.ring.stats.primed_steps == primed
+
+
+class HeldPatches(CpuTransport):
+    """Primes' patches held back until the compute side next waits for a slot (or 0.2 s pass),
+    then run before that read goes on: a delivery into a slot that did not wait for its patch is
+    written over before it is read."""
+
+    def __init__(self):
+        super().__init__()
+        self.go = threading.Event()
+
+    def run(self, fn, after, then):
+        self.go.clear()
+
+        def held():
+            self.go.wait(0.2)
+            fn()
+        super().run(held, after, then)
+
+    def wait(self, ev):
+        super().wait(ev)
+        if not self.go.is_set():
+            self.go.set()
+            self.sides[1].drain()
+
+
+def test_a_fresh_delivery_waits_for_the_patches_of_primes_the_step_does_not_use():
+    device, host = pools(depth=2, transport=HeldPatches())
+    tables = {0: [3, 4], 1: [5, 6]}
+    assert_same_run(device, host, tables, [[(0, 0, 6), (1, 0, 6)], [(0, 6, 1), (1, 6, 1)]])
+    primed = host.ring.stats.primed_steps
+    # the sequences swap pages: the window is the same, the primes are not this step's
+    for pool in (device, host):
+        pool.settle()
+        for t in (pool.k, pool.v):
+            t[:, [3, 4, 5, 6]] = t[:, [5, 6, 3, 4]].clone()
     assert_same_run(device, host, {0: [5, 6], 1: [3, 4]}, [[(0, 7, 1), (1, 7, 1)]])
     assert host.ring.stats.primed_steps == primed
 
