@@ -3,8 +3,9 @@ the layer that reads it.
 
 The host pool is [n_layers, n_pages, 2, page, KVH, D]. A step's window (its batch's pages) is
 packed into runs (host start page, count, slot offset), so one layer moves in one copy per run.
-A slot is the window packed, [n, 2, page, KVH, D]; the buffer holds the slots end to end, so a
-slot is as large as this step's window, never the largest one seen.
+A slot is the window packed, [n, 2, page, KVH, D]. The buffer is sized for this step's window
+(to a power of two, so a growing context reallocates rarely) and shared out evenly among the
+slots: a slot starts every `stride` pages, so a window that grows keeps its slots in place.
 
 Ring path, for layer l and m = l + depth (issued once layer l's attention is enqueued):
 
@@ -65,6 +66,15 @@ def pack(pages: list[int], bridge: int = 0) -> list[Run]:
         runs.append((start, end - start, off))
         off += end - start
     return runs
+
+
+def keeps_places(old: list[Run], new: list[Run]) -> bool:
+    """Whether every page of window `old` has the same slot offset in window `new`: the same
+    runs, but that the last may have grown and more may follow (pages added after them)."""
+    *head, (start, count, off) = old
+    k = len(head)
+    return (len(new) > k and new[:k] == head and new[k][0] == start and new[k][2] == off
+            and new[k][1] >= count)
 
 
 def device_free_bytes(device: torch.device) -> int:
@@ -136,11 +146,19 @@ class StagingRing:
         """A page of the buffer in no slot: a captured step's padding rows write there."""
         return self.capacity
 
+    @property
+    def stride(self) -> int:
+        """Pages from one slot to the next: the buffer shared out evenly, not cut to the
+        window, so that a window that grows (a sequence's new page) keeps its slots where they
+        are, and the layers primed for it with them, until the buffer itself must grow."""
+        return self.capacity // self.n_slots
+
     def page_bases(self) -> list[int]:
         """Where each layer's slot starts in the buffer this step, in pages."""
         if not self.ahead:
             return [0] * self.n_layers
-        return [(self.base + layer) % self.n_slots * self.n for layer in range(self.n_layers)]
+        stride = self.stride
+        return [(self.base + layer) % self.n_slots * stride for layer in range(self.n_layers)]
 
     # ---- per step ---------------------------------------------------------------------------
 
@@ -148,10 +166,12 @@ class StagingRing:
         """Stage a step whose window is `runs`; on the ring path, deliver the first layers.
 
         reuse: the caller vouches that the bytes primed during the last step are still this
-        step's (same sequences, continuing, same pages); they are used if the window is the
-        same too. prime_next: let `prime` deliver the next step's first layers for this window."""
+        step's (same sequences, continuing, on the same pages and maybe new ones after them);
+        they are used if every page primed keeps its place in the window (the pages added are
+        only read where the step writes them). prime_next: let `prime` deliver the next step's
+        first layers for this window."""
         in_flight = self.primed is not None  # primes may still be landing
-        primed = reuse and self.primed == runs
+        primed = reuse and in_flight and keeps_places(self.primed, runs)
         self.primed = self._unused = None
         self._windows = 0
         self.runs = runs
@@ -166,7 +186,8 @@ class StagingRing:
         primed = primed and self.ahead and moved == self.stats.reallocations
         if self._cut != (self.buf.data_ptr(), n, slots):  # slicing is host time before the step
             self._cut = (self.buf.data_ptr(), n, slots)
-            self.slots = [self.buf[i * n:(i + 1) * n] for i in range(slots)]
+            stride = self.stride
+            self.slots = [self.buf[i * stride:i * stride + n] for i in range(slots)]
         self.prime_next = prime_next and self.ahead and self.depth < self.n_layers
         if not self.ahead:
             self.stats.ordered_steps += 1

@@ -12,8 +12,8 @@ CPU, the compute side's `wait`, because there the host thread *is* the compute s
 `CudaTransport` is two dedicated CUDA streams with `torch.cuda.Event`s. `CpuTransport` is two
 copy threads over FIFOs with events of their own, so the same ring logic runs in CI. Both take
 `delay_ms`, a fault injection that delays every copy and every `run` on either side: with it a
-missing wait shows up as wrong bytes instead of staying hidden behind a fast copy. `make_transport` reads it from
-`SIDING_TRANSPORT_DELAY_MS`.
+missing wait shows up as wrong bytes instead of staying hidden behind a fast copy.
+`make_transport` reads it from `SIDING_TRANSPORT_DELAY_MS`.
 """
 
 from __future__ import annotations

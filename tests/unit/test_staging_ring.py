@@ -19,7 +19,7 @@ from worker.kv_pool import KVPool
 from worker.loaders.synthetic import SyntheticSource
 from worker.park_store import ParkStore
 from worker.runner import ModelRunner
-from worker.staging_ring import pack
+from worker.staging_ring import keeps_places, pack
 from worker.transport import CpuTransport
 
 H, KVH, D, P = 4, 2, 16, 4
@@ -279,6 +279,30 @@ def test_decode_steps_take_their_first_layers_primed_by_the_step_before():
     assert_same_run(device, host, tables, steps)
     # the prefill primes nothing; each decode step primes the next
     assert host.ring.stats.primed_steps == 2
+
+
+def test_a_window_keeps_the_places_of_its_pages_when_pages_are_added_after_them():
+    assert keeps_places([(3, 2, 0)], [(3, 3, 0)])
+    assert keeps_places([(3, 2, 0), (9, 1, 2)], [(3, 2, 0), (9, 2, 2), (20, 1, 4)])
+    assert not keeps_places([(3, 2, 0)], [(2, 4, 0)])  # a page before them moves them
+    assert not keeps_places([(3, 2, 0), (9, 1, 2)], [(3, 3, 0), (9, 1, 3)])
+
+
+@pytest.mark.parametrize(("pages", "primed"), [
+    ([3, 4, 5, 30], 4),  # the new pages come after the window: every decode step but the first
+    ([3, 4, 5, 13], 4),  # 13 extends the run of sequence 1's pages 10-12
+    ([3, 4, 5, 6], 3),  # 6 moves sequence 1's pages: that step delivers its first layers itself
+])
+def test_decode_steps_stay_primed_when_a_sequence_takes_a_new_page_after_the_window(pages, primed):
+    """A step that adds a page (one in `P` decode steps a sequence) still uses what the last one
+    primed, as long as no page of the window moves: the buffer has room, so no slot moves."""
+    device, host = pools(depth=2, delay_ms=1.0, bridge=0)
+    tables = {0: pages, 1: [10, 11, 12]}
+    # sequence 1 takes page 12 at position 8, sequence 0 its fourth page at position 12
+    steps = [[(0, 0, 9), (1, 0, 6)]] + [[(0, 9 + i, 1), (1, 6 + i, 1)] for i in range(5)]
+    assert_same_run(device, host, tables, steps)
+    assert host.ring.stats.reallocations == 1
+    assert host.ring.stats.primed_steps == primed
 
 
 def test_primed_bytes_are_dropped_when_sequences_move_within_the_same_pages():
