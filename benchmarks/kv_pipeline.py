@@ -4,7 +4,8 @@
 Runs in-process on ModelRunners over one loaded stage (no cluster), so the numbers are the
 worker's and the ring's, not the sockets'. Every arm decodes the same sequence from the same KV
 bytes (random: the context is already in the pool), one token a step; the arms take turns,
-`--steps` steps each per round, so load from elsewhere lands on all of them alike. Measured in
+`--steps` steps each per round, so load from elsewhere lands on all of them alike; a turn starts
+with the device idle (the arm before may have left copies in flight). Measured in
 the same run, per context:
 
 - compute: the same decode with KV on the device (`--kv device`), a step without copies;
@@ -102,6 +103,8 @@ class Arm:
         self.steps += 1
 
     def round(self, steps: int) -> float:
+        # the device idle first: the last arm's primes would hold the link at this turn's start
+        sync(self.runner.device)
         t0 = time.perf_counter()
         for _ in range(steps):
             self.step(timed=True)
