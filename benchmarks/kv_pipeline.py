@@ -13,7 +13,9 @@ the same run, per context:
 - ceiling: max(copy, compute), the best a pipelined step can do (ordered pays copy + compute);
 - link: one large pinned host -> device copy.
 
-Reported: step time and tokens/s per arm, speed-up over ordered, fraction of the ceiling,
+Reported: step time (a round's mean, median over rounds) and tokens/s per arm, single steps'
+p50/p90/p99 (a slow step in a round shows there, not in the mean), speed-up over ordered,
+fraction of the ceiling,
 achieved H2D bandwidth (a step's KV bytes over the copy time, and over each arm's step time)
 against the link, bytes per copy, ring bytes, compute-side waits, declines, and whether every
 arm produced the same tokens.
@@ -56,6 +58,7 @@ KV_SEED = 0
 FIRST_TOKEN = 1000  # the decode's first input token (modulo the vocabulary)
 PROFILE_STEPS = 4  # a trace of more is too large to be read comfortably
 PHASES = ("apply", "forward", "sample", "device forward")
+STEP_QUANTILES = (50, 90, 99)
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Arm:
     steps: int = 0
     tokens: list[int] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)  # one sample per round
+    each_step: list[float] = field(default_factory=list)  # every timed step's wall time
     # seconds summed over timed steps: host time in apply, in forward (enqueueing the step), in
     # sample (the wait for the device included), and the device's time from the forward's
     # first enqueued work to its last (CUDA events)
@@ -105,10 +109,11 @@ class Arm:
     def round(self, steps: int) -> float:
         # the device idle first: the last arm's primes would hold the link at this turn's start
         sync(self.runner.device)
-        t0 = time.perf_counter()
+        t0 = t = time.perf_counter()
         for _ in range(steps):
             self.step(timed=True)
-        return (time.perf_counter() - t0) / steps
+            self.each_step.append(-t + (t := time.perf_counter()))
+        return (t - t0) / steps
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -221,6 +226,7 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread,
                                "over_ordered": ordered_time / t.median,
                                "of_ceiling": ceiling / t.median,
                                "effective_bytes_per_s": kv_bytes / t.median,
+                               "step_quantiles_s": quantiles(arm.each_step),
                                "phase_s_per_step": {k: v / max(arm.timed, 1)
                                                     for k, v in arm.phases.items()}}
         if isinstance(arm.pool, HostKVPool):
@@ -285,14 +291,23 @@ def table(points: list[dict[str, Any]], link: Spread) -> str:
     return format_table(headers, rows)
 
 
+def quantiles(samples: list[float]) -> dict[str, float]:
+    """p50, p90 and p99 of the samples (nearest rank)."""
+    ordered, n = sorted(samples), len(samples)
+    return {f"p{q}": ordered[min(n - 1, n * q // 100)] for q in STEP_QUANTILES}
+
+
 def phase_table(points: list[dict[str, Any]]) -> str:
     """Where a timed step's wall time goes, per arm: host time in each phase, and the device's
-    span of the forward (longer than its host time: the step is the device's or the link's)."""
-    arms = [(p["context"] if i == 0 else "", name, r["phase_s_per_step"])
+    span of the forward (longer than its host time: the step is the device's or the link's);
+    then the spread of single steps (a round's mean mixes the steady state with slow steps)."""
+    arms = [(p["context"] if i == 0 else "", name, r["phase_s_per_step"], r["step_quantiles_s"])
             for p in points for i, (name, r) in enumerate(p["arms"].items())]
-    phases = PHASES if any(t["device forward"] for *_, t in arms) else PHASES[:-1]  # CUDA only
-    rows = [[c, name, *(f"{t[k] * 1e3:.2f}" for k in phases)] for c, name, t in arms]
-    return format_table(["context", "arm", *(f"{k} ms" for k in phases)], rows)
+    phases = PHASES if any(t["device forward"] for _, _, t, _ in arms) else PHASES[:-1]  # CUDA
+    rows = [[c, name, *(f"{t[k] * 1e3:.2f}" for k in phases),
+             *(f"{v * 1e3:.2f}" for v in q.values())] for c, name, t, q in arms]
+    return format_table(["context", "arm", *(f"{k} ms" for k in phases),
+                         *(f"step p{q} ms" for q in STEP_QUANTILES)], rows)
 
 
 def main(argv: list[str]) -> None:

@@ -1,0 +1,27 @@
+"""`siding bench kv-pipeline` on the CPU: every arm decodes the same tokens, the ring's steps come
+primed across a new page, and the record holds what the report prints."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import kv_pipeline
+
+
+def test_the_bench_runs_every_arm_to_the_same_tokens_and_records_single_steps(tmp_path, capsys):
+    # positions 44-53: the sequence takes its fourth page (16 positions each) half-way through
+    kv_pipeline.main(["--model", "synthetic:tiny", "--device", "cpu", "--contexts", "44",
+                      "--depths", "1,2", "--rounds", "2", "--steps", "3", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("kv-pipeline-*.json")
+    (point,) = json.loads(path.read_text())["points"]
+    assert point["identical_tokens"]
+    arms = point["arms"]
+    assert list(arms) == ["device", "ordered", "depth 1", "depth 2"]
+    for name in ("depth 1", "depth 2"):
+        ring = arms[name]
+        assert ring["ring_steps"] == 10 and ring["primed_steps"] == 9  # all but the first
+    for arm in arms.values():
+        q = arm["step_quantiles_s"]
+        assert 0 < q["p50"] <= q["p90"] <= q["p99"]
+    out = capsys.readouterr().out
+    assert "step p99 ms" in out and "identical tokens in every arm: 44: True" in out
