@@ -15,10 +15,9 @@ the same run, per context:
 
 Reported: step time (a round's mean, median over rounds) and tokens/s per arm, single steps'
 p50/p90/p99 (a slow step in a round shows there, not in the mean), speed-up over ordered,
-fraction of the ceiling,
-achieved H2D bandwidth (a step's KV bytes over the copy time, and over each arm's step time)
-against the link, bytes per copy, ring bytes, compute-side waits, declines, and whether every
-arm produced the same tokens.
+fraction of the ceiling, achieved H2D bandwidth (a step's KV bytes over the copy time, and over
+each arm's step time) against the link, bytes per copy, ring bytes, compute-side waits,
+declines, and whether every arm produced the same tokens.
 """
 
 from __future__ import annotations
