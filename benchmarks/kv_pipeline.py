@@ -5,7 +5,8 @@ Runs in-process on ModelRunners over one loaded stage (no cluster), so the numbe
 worker's and the ring's, not the sockets'. Every arm decodes the same sequence from the same KV
 bytes (random: the context is already in the pool), one token a step; the arms take turns,
 `--steps` steps each per round, so load from elsewhere lands on all of them alike; a turn starts
-with the device idle (the arm before may have left copies in flight). Measured in
+with the device idle (the arm before may have left copies in flight) and one untimed step (the
+primes it finds landed long ago). Measured in
 the same run, per context:
 
 - compute: the same decode with KV on the device (`--kv device`), a step without copies;
@@ -106,8 +107,11 @@ class Arm:
         self.steps += 1
 
     def round(self, steps: int) -> float:
-        # the device idle first: the last arm's primes would hold the link at this turn's start
-        sync(self.runner.device)
+        """`steps` timed steps after one untimed one, so that the timed ones run as in a
+        steady state: each pays for the primes it uses (the untimed step's primes land during
+        the first) and leaves its own in flight."""
+        sync(self.runner.device)  # the last arm's copies would hold the link at this turn's start
+        self.step()
         t0 = t = time.perf_counter()
         for _ in range(steps):
             self.step(timed=True)
@@ -189,7 +193,7 @@ def copy_seconds(pool: HostKVPool, n_pages: int, device: torch.device,
 
 def run_context(stage, args, context: int, dtype, device, a, link: Spread,
                 graphs: bool) -> dict[str, Any]:
-    total = a.warmup + a.steps * a.rounds
+    total = a.warmup + (1 + a.steps) * a.rounds + (1 + PROFILE_STEPS) * (context == a.profile)
     arms = build_arms(stage, args, context, total, dtype, device, a, graphs)
     ordered = arms[1].pool
     window = -(-(context + 1) // a.page_size)  # pages of the first timed step
@@ -203,7 +207,7 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread,
             arm.step_seconds.append(arm.round(a.steps))
         progress(SCENARIO, f"context {context}: round {r + 1}/{a.rounds}  " + "  ".join(
             f"{arm.name} {arm.step_seconds[-1] * 1e3:.2f} ms" for arm in arms))
-    timed = a.warmup + a.rounds * a.steps
+    timed = a.warmup + a.rounds * (1 + a.steps)
     if context == a.profile:
         for arm in arms[:3]:
             profile(arm, PROFILE_STEPS, device, f"{a.out}/{SCENARIO}-{timestamp()}-{context}-"

@@ -13,9 +13,9 @@ A step:
 - each layer's `attend` takes its slot from the ring, writes the step's new rows into it,
   attends over it with the same paged attention as the device pool, and releases it;
 - `end_step` copies every layer's new rows back in one device-to-host copy on the transport's
-  write-back side, after the compute side has recorded that they exist (on a side of its own,
-  so the next step's primes, queued on the transfer side after it, need not wait for the
-  step's last layer);
+  write-back side, after the compute side has recorded that they exist (on a side of its own:
+  the next step's primes copy on the transfer side while the step's last layers compute, and
+  their patches follow the write-back);
 - those rows are scattered into their pages on the host (`_land`, waiting for that copy) as late
   as possible: before the ring next reads pages for a step of its own (not a prime), before the
   next write-back, or when `settle` is called because something else on the host (a park, a

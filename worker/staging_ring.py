@@ -225,11 +225,12 @@ class StagingRing:
         """After the step's last layer: deliver the next step's first layers for this window,
         one per slot, if `begin_step` was asked to. They land while the host finishes this step
         and plans the next, the link's time between steps; nothing waits for them but the
-        layers that use them. The pages may lack this step's rows: after each copy the transfer
-        side waits for `rows` (an event the compute side recorded once the rows exist) on the
-        write-back side, runs patch(layer, slot) there to write them in, and only then marks the
-        slot ready. Each prime is ready on its own, so the next step's first layer waits for one
-        copy, not all of them, and the transfer side goes on copying the next."""
+        layers that use them. The pages may lack this step's rows: the write-back side waits for
+        each copy and for `rows` (an event the compute side recorded once the rows exist), runs
+        patch(layer, slot) to write them in, and only then marks the slot ready. Each prime is
+        ready on its own, so the next step's first layer waits for one copy, not all of them,
+        and the transfer side goes on copying the next. The patches follow the step's write-back
+        copy there, which the host's gap between steps covers."""
         if not self.prime_next:
             return
         for m in range(self.n_layers, self.n_layers + self.n_slots):

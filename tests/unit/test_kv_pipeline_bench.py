@@ -9,7 +9,8 @@ from benchmarks import kv_pipeline
 
 
 def test_the_bench_runs_every_arm_to_the_same_tokens_and_records_single_steps(tmp_path, capsys):
-    # positions 44-53: the sequence takes its fourth page (16 positions each) half-way through
+    # 4 warm-up steps, then per round one untimed step and 3 timed ones: positions 44-55, the
+    # sequence takes its fourth page (16 positions each) on the fifth step
     kv_pipeline.main(["--model", "synthetic:tiny", "--device", "cpu", "--contexts", "44",
                       "--depths", "1,2", "--rounds", "2", "--steps", "3", "--out", str(tmp_path)])
     (path,) = tmp_path.glob("kv-pipeline-*.json")
@@ -19,7 +20,7 @@ def test_the_bench_runs_every_arm_to_the_same_tokens_and_records_single_steps(tm
     assert list(arms) == ["device", "ordered", "depth 1", "depth 2"]
     for name in ("depth 1", "depth 2"):
         ring = arms[name]
-        assert ring["ring_steps"] == 10 and ring["primed_steps"] == 9  # all but the first
+        assert ring["ring_steps"] == 12 and ring["primed_steps"] == 11  # all but the first
     for arm in arms.values():
         q = arm["step_quantiles_s"]
         assert 0 < q["p50"] <= q["p90"] <= q["p99"]
