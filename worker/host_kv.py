@@ -34,10 +34,10 @@ from itertools import chain
 
 import torch
 
-from .batch import BatchMeta, device_ints
+from .batch import BatchMeta, int64s, to_device
 from .kv_pool import attention_for
 from .metrics import WorkerMetrics
-from .staging_ring import BRIDGE_BYTES, StagingRing, device_free_bytes, pack
+from .staging_ring import BRIDGE_BYTES, StagingRing, device_free_bytes, pack_places
 from .transport import Transport, make_transport
 
 log = logging.getLogger("siding.worker")
@@ -188,13 +188,11 @@ class HostKVPool:
     def _pack(self, used: list[list[int]], pages: list[int]) -> tuple:
         """The window's runs, and the step's tables and write pages renumbered into the slot
         (on the device)."""
-        runs = pack(sorted(set(chain.from_iterable(used))), self.bridge)
-        where: dict[int, int] = {}
-        for start, count, off in runs:
-            where.update(zip(range(start, start + count), range(off, off + count)))
-        *slot_tables, slot_writes = device_ints(
-            [[where[q] for q in table] for table in used] + [[where[q] for q in pages]],
-            self.device)
+        flat = int64s(chain(chain.from_iterable(used), pages))
+        window, where = flat.unique(return_inverse=True)  # sorted
+        runs, places = pack_places(window, self.bridge)
+        sizes = [len(table) for table in used] + [len(pages)]
+        *slot_tables, slot_writes = to_device(places[where], sizes, self.device)
         return runs, slot_tables, slot_writes
 
     def _continues(self, meta: BatchMeta) -> bool:

@@ -53,19 +53,25 @@ SHRINK = 4  # give memory back once the buffer is this many times what the ring 
 Run = tuple[int, int, int]  # (host start page, page count, slot offset)
 
 
-def pack(pages: list[int], bridge: int = 0) -> list[Run]:
-    """Sorted page ids -> runs; a gap of at most `bridge` pages joins its neighbours."""
-    spans: list[list[int]] = []  # [start, end)
-    for p in pages:
-        if spans and p - spans[-1][1] <= bridge:
-            spans[-1][1] = p + 1
-        else:
-            spans.append([p, p + 1])
-    runs, off = [], 0
-    for start, end in spans:
-        runs.append((start, end - start, off))
-        off += end - start
-    return runs
+def pack(pages: list[int] | torch.Tensor, bridge: int = 0) -> list[Run]:
+    """Sorted, distinct page ids -> runs; a gap of at most `bridge` pages joins its neighbours."""
+    return pack_places(torch.as_tensor(pages, dtype=torch.int64), bridge)[0]
+
+
+def pack_places(pages: torch.Tensor, bridge: int = 0) -> tuple[list[Run], torch.Tensor]:
+    """`pack`, and each page's place in the slot. Vectorised: a window of thousands of pages (a
+    batch at long contexts) is packed again whenever a sequence takes a page."""
+    if not pages.numel():
+        return [], pages
+    first = torch.ones(pages.numel(), dtype=torch.bool)  # a page that starts a run
+    first[1:] = pages[1:] - pages[:-1] - 1 > bridge
+    last = first.roll(-1)  # a page that ends one
+    starts = pages[first]
+    counts = pages[last] + 1 - starts
+    offsets = counts.cumsum(0) - counts
+    run = first.cumsum(0) - 1
+    places = offsets[run] + pages - starts[run]
+    return list(zip(starts.tolist(), counts.tolist(), offsets.tolist(), strict=True)), places
 
 
 def keeps_places(old: list[Run], new: list[Run]) -> bool:
