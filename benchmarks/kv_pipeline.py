@@ -14,6 +14,12 @@ the same run, per context:
 - ceiling: max(copy, compute), the best a pipelined step can do (ordered pays copy + compute);
 - link: one large pinned host -> device copy.
 
+With `--ahead`, every arm also runs overlapped ("ahead device", "ahead ordered", "ahead depth
+N"): each step is enqueued on the last step's greedy token while that is still on the device, and
+the host reads the token only after, as `docs/overlap-scheduling.md` proposes for the engine. An
+overlapped arm's ceiling is max(copy, the overlapped device arm), its speed-up over the
+overlapped ordered arm.
+
 Reported: step time (a round's mean, median over rounds) and tokens/s per arm, single steps'
 p50/p90/p99 (a slow step in a round shows there, not in the mean), speed-up over ordered,
 fraction of the ceiling, achieved H2D bandwidth (a step's KV bytes over the copy time, and over
@@ -63,12 +69,17 @@ STEP_QUANTILES = (50, 90, 99)
 
 @dataclass
 class Arm:
-    name: str  # "device", "ordered" or "depth N"
+    name: str  # "device", "ordered" or "depth N", "ahead ..." for the same overlapped
     runner: ModelRunner
     pool: KVPool | HostKVPool
     pages: list[int]
     position: int
     token: int = FIRST_TOKEN
+    # Overlapped steps (docs/overlap-scheduling.md): each step is enqueued on the last one's
+    # greedy token, still on the device, before the host reads that token.
+    ahead: bool = False
+    next_input: torch.Tensor | None = None  # the last step's token, on the device
+    unread: tuple[torch.Tensor, Any] | None = None  # its host copy, and an event after the copy
     steps: int = 0
     tokens: list[int] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)  # one sample per round
@@ -90,11 +101,25 @@ class Arm:
         if cuda:
             events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             events[0].record()
-        hidden = self.runner.forward(plan, meta, None)
+        if not self.ahead:
+            hidden = self.runner.forward(plan, meta, None)
+        else:  # the plan's token is used only by the first step
+            hidden = self.runner.forward(plan, meta, None, self.next_input)
+            self.next_input = self.runner.greedy(meta, hidden)
         if cuda:
             events[1].record()
         t2 = time.perf_counter()
-        _, (self.token,) = self.runner.sample(plan, meta, hidden)  # waits for the device
+        if not self.ahead:
+            _, (self.token,) = self.runner.sample(plan, meta, hidden)  # waits for the device
+            self.tokens.append(self.token)
+        else:  # the last step's token: this step is already enqueued behind it
+            self.read()
+            host = torch.empty(1, dtype=torch.int64, pin_memory=cuda)
+            host.copy_(self.next_input, non_blocking=True)
+            done = torch.cuda.Event() if cuda else None
+            if done is not None:
+                done.record()
+            self.unread = (host, done)
         t3 = time.perf_counter()
         if timed:
             self.timed += 1
@@ -102,9 +127,18 @@ class Arm:
                 self.phases[name] += seconds
             if cuda:
                 self.phases["device forward"] += events[0].elapsed_time(events[1]) / 1e3
-        self.tokens.append(self.token)
         self.position += 1
         self.steps += 1
+
+    def read(self) -> None:
+        """An overlapped arm's last token, once the device has it; a no-op when it is read."""
+        if self.unread is not None:
+            host, done = self.unread
+            if done is not None:
+                done.synchronize()
+            self.token = int(host[0])
+            self.tokens.append(self.token)
+            self.unread = None
 
     def round(self, steps: int) -> float:
         """`steps` timed steps after one untimed one, so that the timed ones run as in a
@@ -139,6 +173,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="CONTEXT",
                    help="at this context, also profile a few steps of the ordered arm and of the "
                    "first depth (torch.profiler: tables and Chrome traces under --out)")
+    p.add_argument("--ahead", action="store_true",
+                   help="also run every arm overlapped: each step enqueued on the last one's "
+                   "token still on the device, before the host reads it (greedy)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly, as `siding launch --no-cuda-graphs`")
     p.add_argument("--out", default="bench-results")
@@ -153,14 +190,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
                device: torch.device, a: argparse.Namespace,
                graphs: bool = False) -> list[Arm]:
-    """A device-KV arm, an ordered arm and one per depth, every pool holding the same KV; each
-    with decode graphs of its own when `graphs`."""
+    """A device-KV arm, an ordered arm and one per depth, and with `--ahead` an overlapped twin
+    of each, every pool holding the same KV; each with decode graphs of its own when `graphs`."""
     n_pages = -(-(context + total_steps) // a.page_size)
     shape = (args.n_layers, n_pages, a.page_size, args.n_kv_heads, args.head_dim)
-    pools: dict[str, KVPool | HostKVPool] = {"device": KVPool(*shape, dtype, device)}
-    for depth in [0, *a.depths]:
-        pools["ordered" if depth == 0 else f"depth {depth}"] = HostKVPool(
-            *shape, dtype, device, depth=depth, ring_budget_mib=a.ring_budget_mib)
+    pools: dict[str, KVPool | HostKVPool] = {}
+    for prefix in ("", "ahead ") if a.ahead else ("",):
+        pools[prefix + "device"] = KVPool(*shape, dtype, device)
+        for depth in [0, *a.depths]:
+            pools[prefix + ("ordered" if depth == 0 else f"depth {depth}")] = HostKVPool(
+                *shape, dtype, device, depth=depth, ring_budget_mib=a.ring_budget_mib)
     first = pools["ordered"]
     g = torch.Generator().manual_seed(KV_SEED)
     for layer in range(args.n_layers):  # a layer at a time: a float32 draw of it all is large
@@ -172,7 +211,8 @@ def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
     pages = list(range(n_pages))
     return [Arm(name, ModelRunner(stage, pool, ParkStore(pool, 1), device,
                                   DecodeGraphs(stage, pool, device) if graphs else None),
-                pool, pages, context, token=FIRST_TOKEN % args.vocab_size)
+                pool, pages, context, token=FIRST_TOKEN % args.vocab_size,
+                ahead=name.startswith("ahead "))
             for name, pool in pools.items()]
 
 
@@ -207,14 +247,20 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread,
             arm.step_seconds.append(arm.round(a.steps))
         progress(SCENARIO, f"context {context}: round {r + 1}/{a.rounds}  " + "  ".join(
             f"{arm.name} {arm.step_seconds[-1] * 1e3:.2f} ms" for arm in arms))
+    for arm in arms:
+        arm.read()  # an overlapped arm's last token
     timed = a.warmup + a.rounds * (1 + a.steps)
     if context == a.profile:
         for arm in arms[:3]:
             profile(arm, PROFILE_STEPS, device, f"{a.out}/{SCENARIO}-{timestamp()}-{context}-"
                     f"{arm.name.replace(' ', '')}")
+    by_name = {arm.name: arm for arm in arms}
     compute = Spread.of(arms[0].step_seconds)
     ceiling = max(copy.median, compute.median)
-    ordered_time = Spread.of(arms[1].step_seconds).median
+    # an overlapped arm against the overlapped device arm and ordered path
+    kind = {prefix: (max(copy.median, Spread.of(by_name[prefix + "device"].step_seconds).median),
+                     Spread.of(by_name[prefix + "ordered"].step_seconds).median)
+            for prefix in ("", "ahead ") if prefix + "device" in by_name}
     out: dict[str, Any] = {
         "context": context, "window_pages": window, "kv_bytes_per_step": kv_bytes,
         "copy_s": copy, "copy_bytes_per_s": kv_bytes / copy.median,
@@ -223,11 +269,14 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread,
         "identical_tokens": all(arm.tokens[:timed] == arms[0].tokens[:timed] for arm in arms),
         "arms": {},
     }
+    if "ahead " in kind:
+        out["ahead_ceiling_s"] = kind["ahead "][0]
     for arm in arms:
         t = Spread.of(arm.step_seconds)
+        arm_ceiling, ordered_time = kind["ahead " if arm.ahead else ""]
         rec: dict[str, Any] = {"step_s": t, "tokens_per_s": 1 / t.median,
                                "over_ordered": ordered_time / t.median,
-                               "of_ceiling": ceiling / t.median,
+                               "of_ceiling": arm_ceiling / t.median,
                                "effective_bytes_per_s": kv_bytes / t.median,
                                "step_quantiles_s": quantiles(arm.each_step),
                                "phase_s_per_step": {k: v / max(arm.timed, 1)

@@ -89,14 +89,19 @@ class ModelRunner:
             raise SequenceFault(seq_id, e.message.removeprefix(f"sequence {seq_id}: ")) from None
 
     @torch.inference_mode()
-    def forward(self, plan: Step, meta: BatchMeta, hidden: torch.Tensor | None) -> torch.Tensor:
-        """hidden: [T, dim] from the previous stage (None on the first). Returns [T, dim]."""
+    def forward(self, plan: Step, meta: BatchMeta, hidden: torch.Tensor | None,
+                tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [T, dim] from the previous stage (None on the first). tokens: the first
+        stage's input ids already on the device (the last step's `greedy`), in place of the
+        plan's. Returns [T, dim]."""
         if not plan.seqs:  # a step that only parks or restores
             return torch.empty(0, self.stage.args.dim, device=self.device)
-        if self.first:
-            (inputs,) = device_ints([plan.token_ids], self.device)
-        else:
+        if not self.first:
             inputs = hidden
+        elif tokens is not None:
+            inputs = tokens
+        else:
+            (inputs,) = device_ints([plan.token_ids], self.device)
         self.pool.begin_step(meta, {s.id: self.tables[s.id] for s in plan.seqs})
         if (self.graphs is not None and meta.decode_only
                 and self.graphs.bucket_rows(meta.n_seqs) is not None):
@@ -105,6 +110,13 @@ class ModelRunner:
             out = self.stage(inputs, meta.positions, self.pool.layers, meta)
         self.pool.end_step()
         return out
+
+    @torch.inference_mode()
+    def greedy(self, meta: BatchMeta, hidden: torch.Tensor) -> torch.Tensor:
+        """The greedy tokens of the rows that sample, left on the device: the next step can be
+        enqueued on them before the host reads them (what `sample` does for a greedy sequence,
+        without its wait for the device)."""
+        return self.stage.logits(hidden[meta.sample_rows]).float().argmax(dim=-1)
 
     @torch.inference_mode()
     def sample(self, plan: Step, meta: BatchMeta, hidden: torch.Tensor) -> tuple[list, list]:

@@ -9,16 +9,20 @@ from benchmarks import kv_pipeline
 
 
 def test_the_bench_runs_every_arm_to_the_same_tokens_and_records_single_steps(tmp_path, capsys):
+    """Overlapped arms (`--ahead`) included: their tokens come back a step late."""
     # 4 warm-up steps, then per round one untimed step and 3 timed ones: positions 44-55, the
     # sequence takes its fourth page (16 positions each) on the fifth step
     kv_pipeline.main(["--model", "synthetic:tiny", "--device", "cpu", "--contexts", "44",
-                      "--depths", "1,2", "--rounds", "2", "--steps", "3", "--out", str(tmp_path)])
+                      "--depths", "1,2", "--rounds", "2", "--steps", "3", "--ahead",
+                      "--out", str(tmp_path)])
     (path,) = tmp_path.glob("kv-pipeline-*.json")
     (point,) = json.loads(path.read_text())["points"]
     assert point["identical_tokens"]
     arms = point["arms"]
-    assert list(arms) == ["device", "ordered", "depth 1", "depth 2"]
-    for name in ("depth 1", "depth 2"):
+    names = ["device", "ordered", "depth 1", "depth 2"]
+    assert list(arms) == names + [f"ahead {name}" for name in names]
+    assert point["ahead_ceiling_s"] > 0
+    for name in ("depth 1", "depth 2", "ahead depth 1", "ahead depth 2"):
         ring = arms[name]
         assert ring["ring_steps"] == 12 and ring["primed_steps"] == 11  # all but the first
     for arm in arms.values():
