@@ -116,7 +116,7 @@ class ModelRunner:
         """The greedy tokens of the rows that sample, left on the device: the next step can be
         enqueued on them before the host reads them (what `sample` does for a greedy sequence,
         without its wait for the device)."""
-        return self.stage.logits(hidden[meta.sample_rows]).float().argmax(dim=-1)
+        return self._logits(meta, hidden).argmax(dim=-1)
 
     @torch.inference_mode()
     def sample(self, plan: Step, meta: BatchMeta, hidden: torch.Tensor) -> tuple[list, list]:
@@ -124,7 +124,11 @@ class ModelRunner:
         sampled = [s for s in plan.seqs if s.sample]
         if not sampled:
             return [], []
-        logits = self.stage.logits(hidden[meta.sample_rows]).float()
+        logits = self._logits(meta, hidden)
         params = [self.sampling.get(s.id, SamplingParams()) for s in sampled]
         tokens = sample(logits, params, [s.start + s.n for s in sampled])
         return [s.id for s in sampled], tokens
+
+    def _logits(self, meta: BatchMeta, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] of the rows that sample."""
+        return self.stage.logits(hidden[meta.sample_rows]).float()
