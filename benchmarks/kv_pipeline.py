@@ -89,6 +89,9 @@ class Arm:
     # first enqueued work to its last (CUDA events)
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     timed: int = 0
+    # CUDA events around each timed step's forward, read at the round's end: an overlapped
+    # step's have not completed when the next step is enqueued
+    forward_events: list[tuple[Any, Any]] = field(default_factory=list)
 
     def step(self, timed: bool = False) -> None:
         first = self.steps == 0
@@ -126,7 +129,7 @@ class Arm:
             for name, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
                 self.phases[name] += seconds
             if cuda:
-                self.phases["device forward"] += events[0].elapsed_time(events[1]) / 1e3
+                self.forward_events.append(events)
         self.position += 1
         self.steps += 1
 
@@ -150,6 +153,10 @@ class Arm:
         for _ in range(steps):
             self.step(timed=True)
             self.each_step.append(-t + (t := time.perf_counter()))
+        sync(self.runner.device)
+        device_ms = sum(a.elapsed_time(b) for a, b in self.forward_events)
+        self.phases["device forward"] += device_ms / 1e3
+        self.forward_events.clear()
         return (t - t0) / steps
 
 

@@ -8,7 +8,8 @@ captured once per (row bucket, split bucket) and replayed, attention and the new
 included:
 
     piece 0:      embedding (or the incoming hidden rows), RoPE tables, layer 0 up to q, k, v
-    piece l + 1:  layer l's new rows into its pages, its attention, the rest of layer l,
+    piece l + 1:  layer l's new rows into its pages (after a host pool's carried rows, the last
+                  step's, which its slot was filled without), its attention, the rest of layer l,
                   layer l + 1 up to q, k, v                              (0 <= l < L)
 
 What changes from step to step is data in fixed buffers (`StepBuffers`), written by two copies
@@ -73,6 +74,11 @@ class GraphPool(Protocol):
     scale: float
     attention: Callable[..., torch.Tensor]
     hooks: bool  # whether the layers' enter/leave do anything (else one graph a step)
+    carries: bool  # whether a step may carry the last step's rows (`carried`)
+    # this step's carried rows [L, 2, T, KVH, D], with their pages (before the base) and
+    # offsets [T]: a step writes them into its buffers before its own, where its buffers were
+    # filled from pages that lack them (None: none this step)
+    carried: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
     def graph_key(self) -> Any:
         """Changes whenever a buffer a captured graph holds by address is replaced; None: the
@@ -119,12 +125,22 @@ class StepBuffers:
         self.meta: BatchMeta | None = None  # the step's (for eager pieces' attention)
         self._tables: list[torch.Tensor] | None = None  # the tables `self.tables` holds
         self.write_page = self.write_offset = None  # [rows], set by piece 0
+        # the carried rows, their pages (-1: none) and offsets, and their pages with each
+        # layer's base [layers, rows] (set by piece 0); only for a pool that carries
+        self.carry_rows = self.carry_at = self.carry_pages = None
+        if pool.carries:
+            kvh, d = pool.k.shape[-2:]
+            self.carry_rows = torch.zeros(n_layers, 2, rows, kvh, d, dtype=pool.k.dtype,
+                                          device=device)
+            self.carry_at = torch.zeros(2, rows, dtype=torch.int64, device=device)
         self.clear()
 
     def clear(self) -> None:
         """A step with no rows: what a capture runs, writing only the spare page."""
         self.ints.zero_()
         self.attn_positions.fill_(-1)
+        if self.carry_at is not None:
+            self.carry_at[0].fill_(-1)
 
     def fill(self, meta: BatchMeta) -> None:
         n, rows = meta.n_seqs, self.rows
@@ -141,7 +157,20 @@ class StepBuffers:
         if tables is not self._tables:  # a host pool hands the same tables while they hold
             self.tables[:starts[-1]].copy_(torch.cat(tables))
             self._tables = tables
+        if self.carry_at is not None:
+            self._fill_carried(self.pool.carried)
         self.meta = meta
+
+    def _fill_carried(self, carried) -> None:
+        if carried is None:
+            self.carry_at[0].fill_(-1)
+            return
+        rows, pages, offsets = carried
+        t = rows.shape[2]
+        self.carry_rows[:, :, :t].copy_(rows)
+        self.carry_at[:, :t].copy_(torch.stack((pages, offsets)))
+        if t < self.rows:
+            self.carry_at[0, t:].fill_(-1)
 
     def locate_rows(self) -> None:
         """Each row's page (before the base) and offset: the same for every layer."""
@@ -150,6 +179,10 @@ class StepBuffers:
         self.write_page = torch.where(self.attn_positions >= 0,
                                       self.tables[self.blocks[:, 0] + pos // page], -1)
         self.write_offset = pos % page
+        if self.carry_at is not None:
+            pages = self.carry_at[0]
+            self.carry_pages = torch.where(pages >= 0, pages + self.bases[:, None],
+                                           self.pool.spare_page())
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> torch.Tensor:
@@ -157,6 +190,10 @@ class StepBuffers:
         pool = self.pool
         k_pages, v_pages = pool.layers[layer].buffers()
         base = self.bases[layer:layer + 1]
+        if self.carry_pages is not None:  # the last step's rows first: the pages lack them
+            at = (self.carry_pages[layer], self.carry_at[1])
+            k_pages.index_put_(at, self.carry_rows[layer, 0])
+            v_pages.index_put_(at, self.carry_rows[layer, 1])
         pages = torch.where(self.write_page >= 0, self.write_page + base, pool.spare_page())
         k_pages.index_put_((pages, self.write_offset), k.to(k_pages.dtype))
         v_pages.index_put_((pages, self.write_offset), v.to(v_pages.dtype))
@@ -344,7 +381,7 @@ class DecodeGraphs:
             # a replay rewrites these tensors in place; the attributes the pieces set are not
             # reset by it
             g.keep.append((g.x, g.rope, list(g.qkv), g.buffers.write_page,
-                           g.buffers.write_offset))
+                           g.buffers.write_offset, g.buffers.carry_pages))
             g.captured.append(graph)
             pieces.append(graph.replay)
         return pieces

@@ -9,19 +9,22 @@ A step:
 - `begin_step` packs the batch's pages into the window and renumbers the step's page tables and
   write pages into the slot, once (never per layer); when the batch continues the last step's
   on the same pages, the ring's first layers were already delivered during the last step
-  (primed), completed on the write-back side with the last step's rows from the device;
+  (primed);
 - each layer's `attend` takes its slot from the ring, writes the step's new rows into it,
   attends over it with the same paged attention as the device pool, and releases it;
 - `end_step` copies every layer's new rows back in one device-to-host copy on the transport's
   write-back side, after the compute side has recorded that they exist (on a side of its own:
-  the next step's primes copy on the transfer side while the step's last layers compute, and
-  their patches follow the write-back);
-- those rows are scattered into their pages on the host (`_land`, waiting for that copy) as late
-  as possible: before the ring next reads pages for a step of its own (not a prime), before the
-  next write-back, or when `settle` is called because something else on the host (a park, a
-  restore, a page copy) is about to touch the pages. A continuing decode step takes its first
-  layers primed, so it launches them before the host scatters anything: the scatter overlaps
-  the device instead of delaying the step's first kernel.
+  the next step's primes copy on the transfer side while the step's last layers compute);
+- those rows are scattered into their pages on the host (`_land`, waiting for that copy) one
+  step late: in the next step's `end_step`, once that step's layers are all enqueued, or when
+  `settle` is called because something else on the host (a park, a restore, a page copy) is
+  about to touch the pages. Until then the host pages lack them, and so do the slots copied from
+  those pages (the primes, and the next step's own deliveries): a step that continues the last
+  one **carries** its rows, kept on the device, and writes them into each slot before its own
+  (`carried`; on the same places, which a continuing window keeps). So a continuing step never
+  waits on the host for the last one's write-back: the host can enqueue it while the device
+  still runs the last. A step that does not continue lands them in `begin_step`, before the ring
+  reads a page.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 from .batch import BatchMeta, int64s, to_device
 from .kv_pool import attention_for
 from .metrics import WorkerMetrics
-from .staging_ring import BRIDGE_BYTES, StagingRing, device_free_bytes, pack_places
+from .staging_ring import BRIDGE_BYTES, StagingRing, device_free_bytes, keeps_places, pack_places
 from .transport import Transport, make_transport
 
 log = logging.getLogger("siding.worker")
@@ -59,13 +62,6 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
         return t.pin_memory()
     weakref.finalize(t, _unregister, t.data_ptr()).atexit = False  # exit frees it anyway
     return t
-
-
-def write_rows(rows: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, layer: int,
-               slot: torch.Tensor) -> None:
-    """A step's rows [L, 2, T, KVH, D] of `layer` into a slot [n, 2, page, KVH, D] at (pages,
-    offsets): what a slot primed for the next step lacks."""
-    slot.transpose(1, 2)[pages, offsets] = rows[layer].transpose(0, 1)
 
 
 def _unregister(ptr: int) -> None:
@@ -92,19 +88,18 @@ class HostKVPool:
         self.transport = transport if transport is not None else make_transport(self.device)
         free = partial(device_free_bytes, self.device) if self.device.type == "cuda" else None
         self.ring = StagingRing(self.kv, self.transport, self.device, depth,
-                                ring_budget_mib << 20, free, metrics, land=self._land)
+                                ring_budget_mib << 20, free, metrics)
         self.bridge = bridge_bytes // self.ring.page_bytes
         self.layers = [HostLayerView(self, i) for i in range(n_layers)]
         self.meta: BatchMeta | None = None  # the step's metadata, renumbered into the slot
         self.step: BatchMeta | None = None  # the step's metadata as the runner built it
         self.rows: list[torch.Tensor] = []  # k, v of each layer so far: [T, KVH, D] each
-        # The last step's rows [L, 2, T, KVH, D] on the device and where they go in the slot
-        # (pages, offsets): what the primes patch in on the write-back side. Kept until the
-        # next end_step: by then the compute side has waited on an event recorded after every
-        # patch (a used prime's, or the first delivery of a step that did not use them, which
-        # waits for the last patch; the ordered path and a reallocation drain every side), so
-        # their memory is free to reuse.
-        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # The last step's rows [L, 2, T, KVH, D] on the device, where they went in its slot
+        # (pages, offsets), its runs and whether it was a decode step: what the next step
+        # carries if it continues it
+        self._last: tuple | None = None
+        # this step's carried rows (rows, slot pages, offsets), or None
+        self.carried: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # the last step's (pages used, write pages) and what `_pack` made of them: a decode
         # step that adds no page reuses them (read-only on the device)
         self._layout: tuple | None = None
@@ -126,8 +121,10 @@ class HostKVPool:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 
     # What a captured decode step needs (worker/cuda_graphs.py's GraphPool): the ring buffer by
-    # address, each layer's slot as a page base, and the ring's events between pieces.
+    # address, each layer's slot as a page base, the ring's events between pieces, and the
+    # carried rows.
     hooks = True
+    carries = True
 
     def graph_key(self) -> tuple[int, int] | None:
         buf = self.ring.buf
@@ -183,7 +180,14 @@ class HostKVPool:
         self._batch = (tuple(tables), used, meta.context_lens)
         reuse = self._continues(meta)
         self._prev = None  # until this step completes
-        self.ring.begin_step(runs, reuse, prime_next=meta.decode_only)
+        last = self._last
+        self.carried = None
+        if reuse and last[4] and keeps_places(last[3], runs):
+            self.carried = last[:3]
+        else:  # the ring reads the pages as they are: they must hold the last step's rows
+            self._land()
+        self.ring.begin_step(runs, reuse and self.carried is not None,
+                             prime_next=meta.decode_only)
 
     def _pack(self, used: list[list[int]], pages: list[int]) -> tuple:
         """The window's runs, and the step's tables and write pages renumbered into the slot
@@ -210,7 +214,7 @@ class HostKVPool:
 
     def end_step(self) -> None:
         assert len(self.rows) == 2 * len(self.layers), "end_step before every layer attended"
-        self._land()  # the last step's rows (still pending if every layer came primed)
+        self._land()  # the last step's rows, which this step carried (the primes need them)
         rows = torch.stack(self.rows)
         rows = rows.view(len(self.layers), 2, *rows.shape[1:])  # [L, 2, T, KVH, D]
         self.rows = []
@@ -224,9 +228,12 @@ class HostKVPool:
         # rows stays referenced until `_land`: the copy may still be reading it
         self._writeback = (host, rows, *self._write)
         self._open = False
-        self._last = (rows, self.meta.write_pages, self.meta.write_offsets)
+        # rows stays referenced until the next end_step too: the next step's layers read it
+        self._last = (rows, self.meta.write_pages, self.meta.write_offsets, self.ring.runs,
+                      self.step.decode_only)
+        self.carried = None
         self._prev = self._batch
-        self.ring.prime(partial(write_rows, *self._last), rows=self._wb_event)
+        self.ring.prime()
         self.ring.count("writeback", rows.nbytes, 1)
         self.ring.end_step()
 
@@ -256,6 +263,10 @@ class HostLayerView:
         slot = self.enter()
         k_slot, v_slot = slot[:, 0], slot[:, 1]
         k, v = k.to(k_slot.dtype), v.to(v_slot.dtype)
+        if pool.carried is not None:
+            rows, pages, offsets = pool.carried
+            k_slot[pages, offsets] = rows[self.layer, 0]
+            v_slot[pages, offsets] = rows[self.layer, 1]
         k_slot[sm.write_pages, sm.write_offsets] = k
         v_slot[sm.write_pages, sm.write_offsets] = v
         out = pool.attention(q, k_slot, v_slot, sm, pool.scale)

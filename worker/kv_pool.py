@@ -54,6 +54,7 @@ class KVPool:
 
     # What a captured decode step needs (worker/cuda_graphs.py's GraphPool).
     hooks = False  # its layers need nothing between pieces: a step is one graph
+    carries = False  # its pages are current: a step writes no rows but its own
 
     def graph_key(self) -> int:
         return 0  # the pages are never replaced

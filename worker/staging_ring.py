@@ -17,16 +17,12 @@ behind the layer just enqueued or the one before it, which a device may still be
 Recycling is ordered stream to stream; the host never blocks on a slot. Slots are numbered across
 steps, so deliveries past the last layer can be the next step's first layers (priming, one per
 slot): for the same window, issued after this step's write-back, used if the next step's batch
-continues this one on the same pages. Each is completed, before its ready record, by a patch on
-the write-back side that writes this step's rows (which the host pages may not have yet) once
-its copy has landed and the compute side has recorded that those rows exist: the transfer side
-only copies, so the link never idles behind a patch. A step that does not use them makes its
-first delivery wait for the last patch, so that no delivery races a patch of its slot.
-Before reading pages for a step's own layers (a delivery or the ordered path's copy, never a
-prime), the ring calls its owner's `land`, which brings the pages up to date (the last step's
-rows): a primed step launches its first layers before the host does that work. Everything the
-compute side does to a slot follows a wait on a delivery queued after any prime still landing,
-except on the ordered path, which drains the primes first.
+continues this one on the same pages. The ring only copies pages as the host holds them: its
+owner sees to it that they are up to date but for the last step's rows, and that a step which
+reads them writes those rows into each slot itself (`HostKVPool`: a continuing step carries
+them), so neither a prime nor an own delivery waits on the host for them.
+Everything the compute side does to a slot follows a wait on a delivery queued after any prime
+still landing, except on the ordered path, which drains the primes first.
 
 Ordered path (depth 0, or a declined step): copy then attend, one slot, on the compute side.
 A step declines when its ring would pass the budget or its device lacks headroom for it, for
@@ -37,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
@@ -105,11 +100,10 @@ class StagingRing:
     def __init__(
         self, host: torch.Tensor, transport: Transport | None, device: torch.device | str,
         depth: int, budget_bytes: int = 0, free_bytes: Callable[[], int] | None = None,
-        metrics: WorkerMetrics | None = None, land: Callable[[], None] | None = None,
+        metrics: WorkerMetrics | None = None,
     ):
         """host: [L, n_pages, 2, page, KVH, D]; budget_bytes 0: no cap; free_bytes: the
-        device's free memory (None: not checked); land: brings the host pages up to date (the
-        owner's pending writes), called before the ring reads them for a step of its own."""
+        device's free memory (None: not checked)."""
         self.host = host
         self.transport = transport
         self.device = torch.device(device)
@@ -120,19 +114,15 @@ class StagingRing:
         self.budget = budget_bytes
         self.free_bytes = free_bytes
         self.metrics = metrics
-        self.land = land or (lambda: None)
         self.stats = RingStats()
         # [capacity + 1, 2, page, KVH, D]; the last page is no slot's (spare_page)
         self.buf: torch.Tensor | None = None
         events = depth > 0 and transport is not None
         self.ready = [transport.event() for _ in range(self.n_slots)] if events else []
         self.release = [transport.event() for _ in range(self.n_slots)] if events else []
-        self.copied = [transport.event() for _ in range(self.n_slots)] if events else []  # primes'
         self.ahead = False
         self.prime_next = False
         self.primed: list[Run] | None = None  # the window the next step's first layers hold
-        self._last_patch = None  # the last prime's ready event: its patch is the last of them
-        self._unused = None  # the same, for this step's first delivery, if they go unused
         # Slots are numbered across steps (layer l of a step takes slot (base + l) % n_slots), so
         # a layer primed for the next step follows the same ring order as any other delivery.
         self.base = 0
@@ -142,6 +132,8 @@ class StagingRing:
         self.n = 0
         self.slots: list[torch.Tensor] = []
         self._cut: tuple[int, int, int] | None = None  # (buffer, n, slots) self.slots were cut for
+        # (layer, slot) -> the (dst, src) pairs of its delivery, for this step's runs and slots
+        self._pairs: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @property
     def capacity(self) -> int:
@@ -172,14 +164,17 @@ class StagingRing:
         """Stage a step whose window is `runs`; on the ring path, deliver the first layers.
 
         reuse: the caller vouches that the bytes primed during the last step are still this
-        step's (same sequences, continuing, on the same pages and maybe new ones after them);
-        they are used if every page primed keeps its place in the window (the pages added are
-        only read where the step writes them). prime_next: let `prime` deliver the next step's
-        first layers for this window."""
+        step's (same sequences, continuing, on the same pages and maybe new ones after them),
+        but for the last step's rows, which the step writes in; they are used if every page
+        primed keeps its place in the window (the pages added are only read where the step
+        writes them). prime_next: let `prime` deliver the next step's first layers for this
+        window."""
         in_flight = self.primed is not None  # primes may still be landing
         primed = reuse and in_flight and keeps_places(self.primed, runs)
-        self.primed = self._unused = None
+        self.primed = None
         self._windows = 0
+        if runs != self.runs:
+            self._pairs = {}
         self.runs = runs
         self.n = n = runs[-1][1] + runs[-1][2]
         self.ahead = self._take_ring()
@@ -194,14 +189,13 @@ class StagingRing:
             self._cut = (self.buf.data_ptr(), n, slots)
             stride = self.stride
             self.slots = [self.buf[i * stride:i * stride + n] for i in range(slots)]
+            self._pairs = {}
         self.prime_next = prime_next and self.ahead and self.depth < self.n_layers
         if not self.ahead:
             self.stats.ordered_steps += 1
             return
         self.stats.ring_steps += 1
         self.stats.primed_steps += primed
-        if in_flight and not primed:  # a delivery may refill a slot a patch has yet to write
-            self._unused = self._last_patch
         first = self.n_slots if primed else 0  # only a depth below n_layers is ever primed
         for m in range(first, min(self.depth, self.n_layers)):
             self._deliver(m)
@@ -210,7 +204,6 @@ class StagingRing:
     def acquire(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s window in its slot, once it has landed: [n, 2, page, KVH, D]."""
         if not self.ahead:
-            self.land()
             slot, host = self.slots[0], self.host[layer]
             for start, count, off in self.runs:
                 slot[off:off + count].copy_(host[start:start + count], non_blocking=True)
@@ -227,24 +220,16 @@ class StagingRing:
             if self.issued <= layer + self.depth < self.n_layers:
                 self._deliver(layer + self.depth)
 
-    def prime(self, patch: Callable[[int, torch.Tensor], None], rows: object) -> None:
+    def prime(self) -> None:
         """After the step's last layer: deliver the next step's first layers for this window,
         one per slot, if `begin_step` was asked to. They land while the host finishes this step
         and plans the next, the link's time between steps; nothing waits for them but the
-        layers that use them. The pages may lack this step's rows: the write-back side waits for
-        each copy and for `rows` (an event the compute side recorded once the rows exist), runs
-        patch(layer, slot) to write them in, and only then marks the slot ready. Each prime is
-        ready on its own, so the next step's first layer waits for one copy, not all of them,
-        and the transfer side goes on copying the next. The patches follow the step's write-back
-        copy there, which the host's gap between steps covers."""
+        layers that use them, each for its own. The pages lack this step's rows, which the
+        next step writes into each slot before it reads it."""
         if not self.prime_next:
             return
         for m in range(self.n_layers, self.n_layers + self.n_slots):
-            layer, s = m - self.n_layers, (self.base + m) % self.n_slots
             self._deliver(m)
-            self.transport.run(partial(patch, layer, self.slots[s]),
-                               after=(self.copied[s], rows), then=[self.ready[s]])
-            self._last_patch = self.ready[s]
         self.primed = self.runs
 
     def end_step(self) -> None:
@@ -280,21 +265,15 @@ class StagingRing:
 
     def _deliver(self, m: int) -> None:
         """Layer m of this step into its slot; m >= n_layers: layer m - n_layers of the next,
-        a prime, whose ready record `prime` makes once it is patched."""
+        a prime."""
         layer, s = m % self.n_layers, (self.base + m) % self.n_slots
-        slot, host = self.slots[s], self.host[layer]
-        own = m < self.n_layers
-        if own:  # a prime reads the pages as they are: `prime` patches it
-            self.land()
-        after = [self.release[s]]
-        if self._unused is not None:  # the write-back side is a FIFO: the last patch is enough
-            after.append(self._unused)
-            self._unused = None
+        pairs = self._pairs.get((layer, s))
+        if pairs is None:
+            slot, host = self.slots[s], self.host[layer]
+            pairs = self._pairs[layer, s] = [(slot[off:off + count], host[start:start + count])
+                                             for start, count, off in self.runs]
         self._windows += 1
-        self.transport.copy(
-            [(slot[off:off + count], host[start:start + count]) for start, count, off in self.runs],
-            after=after, then=self.ready[s] if own else self.copied[s],
-        )
+        self.transport.copy(pairs, after=(self.release[s],), then=self.ready[s])
 
     def _take_ring(self) -> bool:
         if self.depth == 0:

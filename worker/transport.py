@@ -2,16 +2,16 @@
 
 A transport has a compute side (where attention runs), a transfer side (a FIFO of copies to the
 device, and nothing else, so that the link never waits on anything but a slot's release) and a
-write-back side (a FIFO of copies back to the host and of device work that completes earlier
-copies, which wait for the compute side; of its own, so that none of it holds up the deliveries
-queued after it), and events that order one against another the way CUDA events order streams:
-`wait` and `copy(after=...)` capture each event's latest record at the time they are called,
-never a later one, and nothing blocks the host except `host_wait` and `synchronize` (and, on the
-CPU, the compute side's `wait`, because there the host thread *is* the compute stream).
+write-back side (a FIFO of copies back to the host, which wait for the compute side; of its own,
+so that none of it holds up the deliveries queued after it), and events that order one against
+another the way CUDA events order streams: `wait` and `copy(after=...)` capture each event's
+latest record at the time they are called, never a later one, and nothing blocks the host except
+`host_wait` and `synchronize` (and, on the CPU, the compute side's `wait`, because there the host
+thread *is* the compute stream).
 
 `CudaTransport` is two dedicated CUDA streams with `torch.cuda.Event`s. `CpuTransport` is two
 copy threads over FIFOs with events of their own, so the same ring logic runs in CI. Both take
-`delay_ms`, a fault injection that delays every copy and every `run` on either side: with it a
+`delay_ms`, a fault injection that delays every copy on either side: with it a
 missing wait shows up as wrong bytes instead of staying hidden behind a fast copy.
 `make_transport` reads it from `SIDING_TRANSPORT_DELAY_MS`.
 """
@@ -23,7 +23,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -56,11 +56,6 @@ class Transport(Protocol):
 
     def copy_back(self, pairs: Sequence[Pair], after: Sequence[Any] = (), then: Any = None) -> None:
         """As `copy`, on the write-back side."""
-
-    def run(self, fn: Callable[[], None], after: Sequence[Any], then: Sequence[Any]) -> None:
-        """On the write-back side: wait for each event of `after`, run `fn` (device work
-        completing earlier copies; the tensors it reads must outlive it), then record each event
-        of `then`."""
 
     def host_wait(self, ev: Any) -> None:
         """Block the host until `ev`'s latest record has completed."""
@@ -114,16 +109,13 @@ class CudaTransport:
         self._timed.append((a, b))
 
     def copy(self, pairs: Sequence[Pair], after: Sequence[Any] = (), then: Any = None) -> None:
-        self._issue(self.stream, pairs, after, [] if then is None else [then])
+        self._issue(self.stream, pairs, after, then)
 
     def copy_back(self, pairs: Sequence[Pair], after: Sequence[Any] = (), then: Any = None) -> None:
-        self._issue(self.back, pairs, after, [] if then is None else [then])
-
-    def run(self, fn: Callable[[], None], after: Sequence[Any], then: Sequence[Any]) -> None:
-        self._issue(self.back, [], after, then, fn)
+        self._issue(self.back, pairs, after, then)
 
     def _issue(self, s: torch.cuda.Stream, pairs: Sequence[Pair], after: Sequence[Any],
-               then: Sequence[Any], fn: Callable[[], None] | None = None) -> None:
+               then: Any) -> None:
         for ev in after:
             s.wait_event(ev)
         # set_stream rather than the `torch.cuda.stream` context, which costs several stream
@@ -134,14 +126,10 @@ class CudaTransport:
                 if self.delay_cycles:
                     torch.cuda._sleep(self.delay_cycles)
                 dst.copy_(src, non_blocking=True)
-            if fn is not None:
-                if self.delay_cycles:
-                    torch.cuda._sleep(self.delay_cycles)
-                fn()
         finally:
             torch.cuda.set_stream(self.compute)
-        for ev in then:
-            ev.record(s)
+        if then is not None:
+            then.record(s)
 
     def host_wait(self, ev: torch.cuda.Event) -> None:
         ev.synchronize()
@@ -167,9 +155,7 @@ class CudaTransport:
 class CpuEvent:
     """An event with generations: `recorded` counts records enqueued, `done` those completed.
     A wait passes once `done` reaches its generation, so an event's records must complete in
-    the order they were made: the ring orders any two records of one event, even when they are
-    made on two sides (a slot's ready: by a delivery on the transfer side, or by a prime's patch
-    on the write-back side)."""
+    the order they were made: each side's are, being a FIFO."""
 
     __slots__ = ("cond", "recorded", "done")
 
@@ -199,15 +185,15 @@ class CopyThread:
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    def put(self, pairs: Sequence[Pair], after: Sequence[CpuEvent], then: Sequence[CpuEvent],
-            fn: Callable[[], None] | None = None) -> None:
+    def put(self, pairs: Sequence[Pair], after: Sequence[CpuEvent], then: Sequence[CpuEvent]
+            ) -> None:
         needs = [(ev, ev.recorded) for ev in after]
         records = []
         for ev in then:
             with ev.cond:
                 ev.recorded += 1
                 records.append((ev, ev.recorded))
-        self.queue.put((needs, list(pairs), fn, records))
+        self.queue.put((needs, list(pairs), records))
 
     def drain(self) -> None:
         done = CpuEvent()
@@ -222,7 +208,7 @@ class CopyThread:
         # The ring's buffers are made under inference mode; writing them needs it too.
         with torch.inference_mode():
             while (item := self.queue.get()) is not None:
-                needs, pairs, fn, records = item
+                needs, pairs, records = item
                 try:
                     for ev, need in needs:
                         ev.wait_for(need)
@@ -230,10 +216,6 @@ class CopyThread:
                         if self.delay:
                             time.sleep(self.delay)
                         dst.copy_(src)
-                    if fn is not None:
-                        if self.delay:
-                            time.sleep(self.delay)
-                        fn()
                 except BaseException as e:  # surfaced on the compute side's next wait
                     self.error = e
                 finally:
@@ -269,9 +251,6 @@ class CpuTransport:
 
     def copy_back(self, pairs: Sequence[Pair], after: Sequence[Any] = (), then: Any = None) -> None:
         self.sides[1].put(pairs, after, [] if then is None else [then])
-
-    def run(self, fn: Callable[[], None], after: Sequence[Any], then: Sequence[Any]) -> None:
-        self.sides[1].put([], after, then, fn)
 
     def host_wait(self, ev: CpuEvent) -> None:
         ev.wait_for(ev.recorded)

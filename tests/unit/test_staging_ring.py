@@ -6,7 +6,6 @@ import random
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import pytest
@@ -127,11 +126,9 @@ def test_a_missing_ready_wait_is_exposed_by_delayed_copies():
 class CheckedTransport(CpuTransport):
     """Checks the ring's event protocol as it is issued. A slot goes filled -> read -> released
     -> filled ...: a fill waits for the slot's release event and needs every read of the slot
-    released (a fill nobody read, a discarded prime, may be filled over, once the transfer side
-    has waited for its patch); a read needs a fill, and a prime's fill counts only once it is
-    patched (its ready record comes after the patch, which waits on the write-back side for the
-    prime's copy and the step's rows); while a step's own deliveries run, no more than `depth`
-    fills are unread; a step's primes for the next fill every slot."""
+    released (a fill nobody read, a discarded prime, may be filled over); a read needs a fill;
+    while a step's own deliveries run, no more than `depth` fills are unread; a step's primes
+    for the next fill every slot."""
 
     def __init__(self, delay_ms: float = 0.0):
         super().__init__(delay_ms)
@@ -146,48 +143,27 @@ class CheckedTransport(CpuTransport):
     def start(self, ring) -> None:
         self.ring = ring
         self.state = ["released"] * ring.n_slots
-        self.unpatched: set[int] = set()  # primes copied, not yet patched
-        self.patching: set[int] = set()  # patches the transfer side is not ordered after
         self.reads = 0
         prime = ring.prime
 
-        def priming(patch, rows):
+        def priming():
             self.priming = True
-            prime(patch, rows)
+            prime()
             self.priming = False
-            assert not self.unpatched, "every prime is patched"
         self.priming = False
         ring.prime = priming
 
     def copy(self, pairs, after=(), then=None):
-        s = self._slot(after[0], "release")
+        (release,) = after
+        s = self._slot(release, "release")
         assert s is not None, "every delivery waits for its slot's release"
-        if len(after) > 1:  # and for the last patch of primes it does not use
-            (last,) = after[1:]
-            assert last is self.patched, "the last patch is waited for"
-            self.patching.clear()
-        assert s not in self.patching, f"slot {s} refilled under its prime's patch"
         assert self.state[s] in ("released", "filled"), f"slot {s} refilled while read"
-        if self.priming:
-            assert then is self.ring.copied[s], "a prime leaves its ready record to its patch"
-            self.unpatched.add(s)
-        else:
-            assert then is self.ring.ready[s]
+        assert then is self.ring.ready[s]
         self.state[s] = "filled"
         ahead = self.state.count("filled")
         limit = self.ring.n_slots if self.priming or self.primed_unread() else self.ring.depth
         assert ahead <= limit, f"{ahead} layers in flight, depth {self.ring.depth}"
         super().copy(pairs, after, then)
-
-    def run(self, fn, after, then):
-        # the rows are the step's last compute work: the patches wait for its latest record
-        (s,) = (self._slot(ev, "ready") for ev in then)
-        assert self.priming and tuple(after) == (self.ring.copied[s], self.last_record)
-        assert s in self.unpatched, "a patch follows its prime's copy"
-        self.unpatched.remove(s)
-        self.patching.add(s)
-        self.patched = then[0]
-        super().run(fn, after, then)
 
     def primed_unread(self) -> bool:
         """Whether fills made by the last primes (used or discarded) may still be unread: until
@@ -198,15 +174,12 @@ class CheckedTransport(CpuTransport):
         s = self._slot(ev, "ready")
         assert s is not None, "the compute side waits only on ready events"
         assert self.state[s] == "filled", f"slot {s} read without a fill"
-        assert s not in self.unpatched, f"slot {s} read before its patch"
-        self.patching.discard(s)  # the slot's next fill waits for the release that follows
         self.state[s] = "read"
         self.reads += 1
         self.log.append("wait")
         super().wait(ev)
 
     def record(self, ev):
-        self.last_record = ev
         s = self._slot(ev, "release")
         if s is not None:
             assert self.state[s] == "read", f"slot {s} released before it was read"
@@ -221,7 +194,6 @@ class CheckedTransport(CpuTransport):
     def synchronize(self):
         self.syncs += 1
         super().synchronize()
-        self.patching.clear()  # every side is idle: the patches have run
 
 
 @pytest.mark.parametrize("depth", [1, 2, 4, 8])
@@ -243,18 +215,19 @@ def test_slots_are_recycled_stream_to_stream_only_after_release(depth):
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_a_primed_step_enqueues_its_first_layers_before_the_host_blocks(depth):
-    """The last step's rows reach the host pages (the host waiting for their write-back) only
-    once the ring must read pages for this step: a step whose first layers came primed has
-    enqueued them by then; a step that was not primed blocks before its first layer."""
+def test_a_continuing_step_enqueues_every_layer_before_the_host_blocks(depth):
+    """The last step's rows reach the host pages (the host waiting for their write-back) in the
+    next step's end_step, once its layers are all enqueued: it carries them into its slots
+    meanwhile. A step that does not continue the last lands them before its first layer."""
     transport = CheckedTransport(delay_ms=0.5)
     host = HostKVPool(LAYERS, 64, P, KVH, D, torch.float32, "cpu", depth=depth,
                       transport=transport, bridge_bytes=0)
     transport.start(host.ring)
     device = KVPool(LAYERS, 64, P, KVH, D, torch.float32, "cpu")
     tables = {0: [3, 4, 5, 6], 1: [9, 10, 11]}
-    # decode steps on the prefill's pages
-    steps = [[(0, 0, 9), (1, 0, 5)]] + [[(0, 9 + i, 1), (1, 5 + i, 1)] for i in range(3)]
+    # decode steps on the prefill's pages, then one without sequence 1
+    steps = ([[(0, 0, 9), (1, 0, 5)]] + [[(0, 9 + i, 1), (1, 5 + i, 1)] for i in range(3)]
+             + [[(0, 12, 1)]])
     before = []  # per step: primed, and its compute-side waits before the host blocked
     for seed, chunk in enumerate(steps):
         start, primed = len(transport.log), host.ring.stats.primed_steps
@@ -266,11 +239,9 @@ def test_a_primed_step_enqueues_its_first_layers_before_the_host_blocks(depth):
         before.append((host.ring.stats.primed_steps > primed, blocked))
     host.settle()
     assert torch.equal(device.k, host.k) and torch.equal(device.v, host.v)
-    # the prefill has nothing to wait for; the first decode step is not primed and blocks
-    # first; every later one is, and blocks once its layers up to n_slots - depth are enqueued
-    # (the next delivery is its first unprimed layer's)
-    assert before[:2] == [(False, None), (False, 0)]
-    assert before[2:] == [(True, host.ring.n_slots - depth + 1)] * 2
+    # the prefill has nothing to wait for and the first decode step does not continue a decode
+    # step: it lands the prefill's rows first; the next two carry; the last does not continue
+    assert before == [(False, None), (False, 0), (True, LAYERS), (True, LAYERS), (False, 0)]
 
 
 def test_decode_steps_take_their_first_layers_primed_by_the_step_before():
@@ -317,44 +288,6 @@ def test_primed_bytes_are_dropped_when_sequences_move_within_the_same_pages():
         for t in (pool.k, pool.v):
             t[:, [3, 4, 5, 6]] = t[:, [5, 6, 3, 4]].clone()
     primed = host.ring.stats.primed_steps
-    assert_same_run(device, host, {0: [5, 6], 1: [3, 4]}, [[(0, 7, 1), (1, 7, 1)]])
-    assert host.ring.stats.primed_steps == primed
-
-
-class HeldPatches(CpuTransport):
-    """Primes' patches held back until the compute side next waits for a slot (or 0.2 s pass),
-    then run before that read goes on: a delivery into a slot that did not wait for its patch is
-    written over before it is read."""
-
-    def __init__(self):
-        super().__init__()
-        self.go = threading.Event()
-
-    def run(self, fn, after, then):
-        self.go.clear()
-
-        def held():
-            self.go.wait(0.2)
-            fn()
-        super().run(held, after, then)
-
-    def wait(self, ev):
-        super().wait(ev)
-        if not self.go.is_set():
-            self.go.set()
-            self.sides[1].drain()
-
-
-def test_a_fresh_delivery_waits_for_the_patches_of_primes_the_step_does_not_use():
-    device, host = pools(depth=2, transport=HeldPatches())
-    tables = {0: [3, 4], 1: [5, 6]}
-    assert_same_run(device, host, tables, [[(0, 0, 6), (1, 0, 6)], [(0, 6, 1), (1, 6, 1)]])
-    primed = host.ring.stats.primed_steps
-    # the sequences swap pages: the window is the same, the primes are not this step's
-    for pool in (device, host):
-        pool.settle()
-        for t in (pool.k, pool.v):
-            t[:, [3, 4, 5, 6]] = t[:, [5, 6, 3, 4]].clone()
     assert_same_run(device, host, {0: [5, 6], 1: [3, 4]}, [[(0, 7, 1), (1, 7, 1)]])
     assert host.ring.stats.primed_steps == primed
 
