@@ -268,12 +268,19 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread,
                      Spread.of(by_name[prefix + "ordered"].step_seconds).median)
             for prefix in ("", "ahead ") if prefix + "device" in by_name}
     ceiling = kind[""][0]  # max(copy, compute)
+    mismatch = {}  # arm -> the first step whose token is not the device arm's
+    for arm in arms:
+        for i, (x, y) in enumerate(zip(arm.tokens[:timed], arms[0].tokens[:timed], strict=True)):
+            if x != y:
+                mismatch[arm.name] = i
+                break
     out: dict[str, Any] = {
         "context": context, "window_pages": window, "kv_bytes_per_step": kv_bytes,
         "copy_s": copy, "copy_bytes_per_s": kv_bytes / copy.median,
         "copy_of_link": kv_bytes / copy.median / link.median,
         "compute_s": compute, "ceiling_s": ceiling, "ordered_model_s": copy.median + compute.median,
-        "identical_tokens": all(arm.tokens[:timed] == arms[0].tokens[:timed] for arm in arms),
+        "identical_tokens": not mismatch,
+        "first_mismatch": mismatch,
         "arms": {},
     }
     if "ahead " in kind:
@@ -410,4 +417,7 @@ def main(argv: list[str]) -> None:
     print(phase_table(points))
     print("identical tokens in every arm: " + ", ".join(
         f"{p['context']}: {p['identical_tokens']}" for p in points))
+    for p in points:
+        for name, step in p["first_mismatch"].items():
+            print(f"  {p['context']}: {name} first differs at step {step}")
     print(f"wrote {json_path} and {png_path}")

@@ -124,7 +124,7 @@ class StepBuffers:
                                                           device)
         self.meta: BatchMeta | None = None  # the step's (for eager pieces' attention)
         self._tables: list[torch.Tensor] | None = None  # the tables `self.tables` holds
-        self.write_page = self.write_offset = None  # [rows], set by piece 0
+        self.write_page = self.write_offset = None  # [layers, rows] and [rows], set by piece 0
         # the carried rows, their pages (-1: none) and offsets, and their pages with each
         # layer's base [layers, rows] (set by piece 0); only for a pool that carries
         self.carry_rows = self.carry_at = self.carry_pages = None
@@ -173,30 +173,44 @@ class StepBuffers:
             self.carry_at[0, t:].fill_(-1)
 
     def locate_rows(self) -> None:
-        """Each row's page (before the base) and offset: the same for every layer."""
+        """Each row's page (with each layer's base: [layers, rows]) and offset, and the same for
+        the carried rows."""
         page = self.pool.page_size
         pos = self.attn_positions.clamp(min=0)
-        self.write_page = torch.where(self.attn_positions >= 0,
-                                      self.tables[self.blocks[:, 0] + pos // page], -1)
+        pages = torch.where(self.attn_positions >= 0,
+                            self.tables[self.blocks[:, 0] + pos // page], -1)
+        self.write_page = self._with_bases(pages)
         self.write_offset = pos % page
         if self.carry_at is not None:
-            pages = self.carry_at[0]
-            self.carry_pages = torch.where(pages >= 0, pages + self.bases[:, None],
-                                           self.pool.spare_page())
+            self.carry_pages = self._with_bases(self.carry_at[0])
+
+    def _with_bases(self, pages: torch.Tensor) -> torch.Tensor:
+        """pages [rows] (-1: none) -> [layers, rows], each layer's base added, none on the spare
+        page."""
+        return torch.where(pages >= 0, pages + self.bases[:, None], self.pool.spare_page())
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> torch.Tensor:
-        """Layer `layer`'s new rows into its pages, then its attention: [rows, H, D]."""
+        """Layer `layer`'s new rows into its pages (after the carried rows), then its
+        attention: [rows, H, D]."""
         pool = self.pool
         k_pages, v_pages = pool.layers[layer].buffers()
+        k, v = k.to(k_pages.dtype), v.to(v_pages.dtype)
+        pages = self.write_page[layer]
+        carried = None
+        if self.carry_pages is not None:
+            carried = (self.carry_rows[layer], self.carry_pages[layer], self.carry_at[1])
+        if self.scratch is not None:  # captured: one launch writes them all
+            triton_kernels().write_rows(k_pages, v_pages, k, v, pages, self.write_offset,
+                                        carried)
+        else:
+            if carried is not None:  # the last step's rows first: the pages lack them
+                rows, at = carried[0], carried[1:]
+                k_pages.index_put_(at, rows[0])
+                v_pages.index_put_(at, rows[1])
+            k_pages.index_put_((pages, self.write_offset), k)
+            v_pages.index_put_((pages, self.write_offset), v)
         base = self.bases[layer:layer + 1]
-        if self.carry_pages is not None:  # the last step's rows first: the pages lack them
-            at = (self.carry_pages[layer], self.carry_at[1])
-            k_pages.index_put_(at, self.carry_rows[layer, 0])
-            v_pages.index_put_(at, self.carry_rows[layer, 1])
-        pages = torch.where(self.write_page >= 0, self.write_page + base, pool.spare_page())
-        k_pages.index_put_((pages, self.write_offset), k.to(k_pages.dtype))
-        v_pages.index_put_((pages, self.write_offset), v.to(v_pages.dtype))
         if self.scratch is not None:
             out = torch.empty_like(q)
             triton_kernels().launch(q, k_pages, v_pages, self.tables, base, self.blocks,

@@ -315,4 +315,8 @@ class StagingRing:
         # zeros, not empty: no slot ever holds NaN garbage, not even where a mask hides it
         self.buf = torch.zeros((target + 1, *self.host.shape[2:]), dtype=self.host.dtype,
                                device=self.device)
+        if self.transport is not None:
+            # the zeros are written on the compute side, into memory the allocator may hand
+            # over from work still running there: no delivery may land in it before
+            self.transport.synchronize()
         self.stats.reallocations += 1

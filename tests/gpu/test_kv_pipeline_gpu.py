@@ -45,6 +45,22 @@ def test_cuda_host_pool_matches_device_pool_bit_for_bit(depth, delay_ms, exact):
     assert sum(stats.declines.values()) == 0
 
 
+def test_a_fresh_ring_buffer_is_zeroed_before_any_delivery_lands_in_it():
+    """A step allocates the ring's buffer while the compute stream is still busy (as when the
+    host runs a step ahead of the device): the zeros are written behind that work, and no
+    delivery on the transfer stream may land before them."""
+    device, host = cuda_pools(depth=1)
+    host.kv.copy_(torch.randn(host.kv.shape, generator=torch.Generator().manual_seed(0)).to(DT))
+    device.k.copy_(host.k)
+    device.v.copy_(host.v)
+    tables = {0: [3, 4, 5]}
+    expected = run_step(device, [(0, 10, 1)], tables, 0, device=DEV)
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of the compute stream
+    got = run_step(host, [(0, 10, 1)], tables, 0, device=DEV)
+    assert host.ring.stats.ring_steps == 1
+    assert all(torch.equal(x, y) for x, y in zip(expected, got, strict=True))
+
+
 def test_a_skipped_ready_wait_is_visible_on_cuda():
     """The identity test can see a missing wait: attention would read a slot still in flight."""
     device, host = cuda_pools(depth=2, delay_ms=5.0)

@@ -15,6 +15,8 @@
   positions, and tiles past a row's position leave its state exactly unchanged, so neither the
   query count, the context of the launch, nor the physical pages change a bit: a decode row is
   a block of one position and gets the bits it gets inside a prompt chunk.
+- `write_rows`: a decode graph's new K and V rows into their pages, and a host pool's carried
+  rows with them, in one launch (a copy: no arithmetic, so no bit to keep).
 
 Imported only when exact mode runs on CUDA (`worker/exact.py`), so CPU installs never need
 Triton.
@@ -284,3 +286,41 @@ def launch(q, k_pool, v_pool, tables, base, blocks, positions, scratch, out, sca
     )
     _attention_combine_kernel[(t, h)](m, l_split, o, positions, out, out.stride(0),
                                       out.stride(1), max_splits, H=h, D=d, SPLIT=SPLIT)
+
+
+@triton.jit
+def _write_rows_kernel(k_pages, v_pages, k, v, pages, offsets, carry, carry_pages, carry_offsets,
+                       s_page, s_off, s_row, s_head, s_dim, s_kv, KVH: tl.constexpr,
+                       D: tl.constexpr, BLOCK: tl.constexpr):
+    row, which, src = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i = tl.arange(0, BLOCK)
+    mask = i < KVH * D
+    if src == 0:  # the step's own row: from k or v [rows, KVH, D], strided
+        page, off = tl.load(pages + row), tl.load(offsets + row)
+        at = row * s_row + (i // D) * s_head + (i % D) * s_dim
+        x = tl.load(k + at, mask=mask) if which == 0 else tl.load(v + at, mask=mask)
+    else:  # a carried row: from carry [2, rows, KVH, D], contiguous
+        page, off = tl.load(carry_pages + row), tl.load(carry_offsets + row)
+        x = tl.load(carry + which * s_kv + row * KVH * D + i, mask=mask)
+    dst = page * s_page + off * s_off + i
+    if which == 0:
+        tl.store(k_pages + dst, x, mask=mask)
+    else:
+        tl.store(v_pages + dst, x, mask=mask)
+
+
+def write_rows(k_pages, v_pages, k, v, pages, offsets, carried=None) -> None:
+    """k, v [rows, KVH, D] into k_pages, v_pages [n, page, KVH, D] (KVH and D contiguous) at
+    (pages, offsets) [rows], page ids final (base added, padding on the spare page); carried:
+    (rows [2, rows, KVH, D] contiguous, pages, offsets), in the same launch, in no order: a
+    carried row never shares a place with a new one (but on the spare page)."""
+    rows, kvh, d = k.shape
+    assert k.stride() == v.stride() and k.dtype == v.dtype == k_pages.dtype
+    assert k_pages.stride() == v_pages.stride() and k_pages.stride()[2:] == (d, 1)
+    carry, carry_pages, carry_offsets = carried if carried is not None else (k, pages, offsets)
+    _write_rows_kernel[(rows, 2, 1 if carried is None else 2)](
+        k_pages, v_pages, k, v, pages, offsets, carry, carry_pages, carry_offsets,
+        k_pages.stride(0), k_pages.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        carry.stride(0) if carried is not None else 0, KVH=kvh, D=d,
+        BLOCK=triton.next_power_of_2(kvh * d),
+    )
