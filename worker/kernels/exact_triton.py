@@ -290,15 +290,18 @@ def launch(q, k_pool, v_pool, tables, base, blocks, positions, scratch, out, sca
 
 @triton.jit
 def _write_rows_kernel(k_pages, v_pages, k, v, pages, offsets, carry, carry_pages, carry_offsets,
-                       s_page, s_off, s_row, s_head, s_dim, s_kv, KVH: tl.constexpr,
-                       D: tl.constexpr, BLOCK: tl.constexpr):
+                       s_page, s_off, sk_row, sk_head, sk_dim, sv_row, sv_head, sv_dim, s_kv,
+                       KVH: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
     row, which, src = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i = tl.arange(0, BLOCK)
     mask = i < KVH * D
     if src == 0:  # the step's own row: from k or v [rows, KVH, D], strided
         page, off = tl.load(pages + row), tl.load(offsets + row)
-        at = row * s_row + (i // D) * s_head + (i % D) * s_dim
-        x = tl.load(k + at, mask=mask) if which == 0 else tl.load(v + at, mask=mask)
+        h, d = i // D, i % D
+        if which == 0:
+            x = tl.load(k + row * sk_row + h * sk_head + d * sk_dim, mask=mask)
+        else:
+            x = tl.load(v + row * sv_row + h * sv_head + d * sv_dim, mask=mask)
     else:  # a carried row: from carry [2, rows, KVH, D], contiguous
         page, off = tl.load(carry_pages + row), tl.load(carry_offsets + row)
         x = tl.load(carry + which * s_kv + row * KVH * D + i, mask=mask)
@@ -315,12 +318,13 @@ def write_rows(k_pages, v_pages, k, v, pages, offsets, carried=None) -> None:
     (rows [2, rows, KVH, D] contiguous, pages, offsets), in the same launch, in no order: a
     carried row never shares a place with a new one (but on the spare page)."""
     rows, kvh, d = k.shape
-    assert k.stride() == v.stride() and k.dtype == v.dtype == k_pages.dtype
-    assert k_pages.stride() == v_pages.stride() and k_pages.stride()[2:] == (d, 1)
+    assert k.dtype == v.dtype == k_pages.dtype, "rows and pages of one dtype"
+    assert k_pages.stride() == v_pages.stride() and k_pages.stride()[2:] == (d, 1), \
+        "K and V pages laid out alike, each row's heads contiguous"
     carry, carry_pages, carry_offsets = carried if carried is not None else (k, pages, offsets)
     _write_rows_kernel[(rows, 2, 1 if carried is None else 2)](
         k_pages, v_pages, k, v, pages, offsets, carry, carry_pages, carry_offsets,
-        k_pages.stride(0), k_pages.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        k_pages.stride(0), k_pages.stride(1), *k.stride(), *v.stride(),
         carry.stride(0) if carried is not None else 0, KVH=kvh, D=d,
         BLOCK=triton.next_power_of_2(kvh * d),
     )
