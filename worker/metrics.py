@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 TRANSFER_PATHS = ("ahead", "ordered", "writeback")
 DECLINE_REASONS = ("budget", "headroom", "unsupported")
+AHEAD_OUTCOMES = ("used", "dropped")  # a step enqueued before its plan arrived (worker/overlap.py)
 # One stage's forward pass: from well under a millisecond (a decode step on a GPU) to seconds
 # (a long prefill chunk on the CPU).
 FORWARD_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
@@ -39,6 +40,9 @@ class WorkerMetrics:
         self.forward_seconds = Histogram("siding_forward_seconds", "One step through this stage",
                                          own, buckets=FORWARD_BUCKETS, registry=r)
         self.exact_mode = Gauge("siding_exact_mode", "1 when exact mode is on", own, registry=r)
+        self.ahead_steps = Counter("siding_ahead_steps",
+                                   "Decode steps enqueued before their plan arrived, by outcome",
+                                   [*own, "outcome"], registry=r)
         # Children resolved once: the ring reports per layer, where a label lookup would show.
         self._own = {"worker": str(rank), "device": device}
         self._bytes = {p: self.transfer_bytes.labels(**self._own, path=p) for p in TRANSFER_PATHS}
@@ -48,6 +52,7 @@ class WorkerMetrics:
                           for r in DECLINE_REASONS}
         self._wait = self.transfer_wait.labels(**self._own)
         self._forward = self.forward_seconds.labels(**self._own)
+        self._ahead = {o: self.ahead_steps.labels(**self._own, outcome=o) for o in AHEAD_OUTCOMES}
         self.ring(0, 0, pipeline_depth)
         self.exact_mode.labels(**self._own).set(int(exact))
 
@@ -72,6 +77,10 @@ class WorkerMetrics:
 
     def forward(self, seconds: float) -> None:
         self._forward.observe(seconds)
+
+    def ahead(self, outcome: str) -> None:
+        """A step enqueued ahead of its plan was `used` or `dropped`."""
+        self._ahead[outcome].inc()
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

@@ -41,6 +41,7 @@ from .host_kv import HostKVPool
 from .kv_pool import KVPool
 from .loaders import resolve
 from .metrics import WorkerMetrics
+from .overlap import Ahead, continues, follow_on, overlap_enabled
 from .park_store import ParkStore
 from .runner import ModelRunner, SequenceFault
 
@@ -88,6 +89,9 @@ class Worker:
         self.arrived: dict[int, Activations | tuple[Activations, torch.Tensor]] = {}
         self.rank = -1
         self.runner: ModelRunner | None = None
+        self.overlap = overlap_enabled(device)
+        self.ahead: Ahead | None = None  # a step enqueued before its plan arrived
+        self.last_plan: Step | None = None  # the last plan run, to tell a steady batch
 
     def _dealer(self) -> zmq.Socket:
         s = self.ctx.socket(zmq.DEALER)
@@ -111,8 +115,9 @@ class Worker:
         try:
             ready = self._load(assign)
         except Exception as e:
-            log.error("worker %d failed to load: %s", self.rank, e)
-            self.ctl.send_multipart(encode(StepError(step=0, code="internal", message=str(e))))
+            message = str(e) or type(e).__name__
+            log.error("worker %d failed to load: %s", self.rank, message)
+            self.ctl.send_multipart(encode(StepError(step=0, code="internal", message=message)))
             time.sleep(0.2)
             raise SystemExit(1) from None
         self.ctl.send_multipart(encode(ready))
@@ -230,7 +235,15 @@ class Worker:
     def _run(self, plan: Step) -> None:
         runner = self.runner
         upstream = None if runner.first else self.arrived.pop(plan.step)
+        ahead, self.ahead = self.ahead, None
+        last, self.last_plan = self.last_plan, plan
         try:
+            if ahead is not None:
+                used = ahead.matches(plan)
+                self.metrics.ahead("used" if used else "dropped")
+                if used:  # its work is enqueued already
+                    self._overlapped(plan, ahead.tokens, time.perf_counter())
+                    return
             meta = runner.apply(plan)
             if isinstance(upstream, Activations):
                 self._forward_failure(plan.step)
@@ -240,7 +253,9 @@ class Worker:
                 raise ProtocolError(f"step {plan.step}: activations do not match the plan")
             t0 = time.perf_counter()
             out = runner.forward(plan, meta, hidden)
-            if runner.last:
+            if self.overlap and continues(last, plan) and follow_on(plan, runner) is not None:
+                self._overlapped(plan, runner.greedy(meta, out), t0)
+            elif runner.last:
                 seq_ids, tokens = runner.sample(plan, meta, out)
                 elapsed = time.perf_counter() - t0
                 self.metrics.forward(elapsed)
@@ -263,6 +278,44 @@ class Worker:
                                                      message=f"worker {self.rank}: {e}",
                                                      seq_ids=culprits)))
             self._forward_failure(plan.step)
+
+    def _overlapped(self, plan: Step, tokens: torch.Tensor, t0: float) -> None:
+        """Send `plan`'s greedy tokens (on the device, maybe still being computed), and enqueue
+        the step that follows it, if it may: on a GPU before reading the tokens, so that the
+        device goes on while the host waits; on a CPU after sending them (the forward pass is
+        synchronous there)."""
+        runner = self.runner
+        cuda = tokens.device.type == "cuda"
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
+        host.copy_(tokens, non_blocking=cuda)
+        done = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+        if not cuda:
+            self._send_tokens(plan, host.tolist(), t0)
+        nxt = follow_on(plan, runner)
+        if nxt is not None:
+            try:
+                nxt_meta = runner.apply(nxt)
+                out = runner.forward(nxt, nxt_meta, None, tokens)
+                self.ahead = Ahead(nxt, [], runner.greedy(nxt_meta, out))
+            except Exception:  # the plan itself is unharmed: the guess is dropped
+                log.exception("step %d: the step after it could not be enqueued", plan.step)
+                self.ahead = None
+        if cuda:
+            done.synchronize()
+            self._send_tokens(plan, host.tolist(), t0)
+        if self.ahead is not None:
+            self.ahead.inputs = host.tolist()
+
+    def _send_tokens(self, plan: Step, tokens: list[int], t0: float) -> None:
+        elapsed = time.perf_counter() - t0
+        self.metrics.forward(elapsed)
+        self.ctl.send_multipart(encode(StepResult(
+            step=plan.step, seq_ids=[s.id for s in plan.seqs], tokens=tokens,
+            forward_seconds=elapsed, park_seconds=self.runner.park_seconds,
+        )))
 
     def _forward_failure(self, step: int) -> None:
         if self.push is not None:

@@ -53,7 +53,8 @@ def scrape(port: int) -> dict[tuple[str, str], float]:
     values = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            label = next((s.labels[k] for k in ("path", "reason", "action") if k in s.labels), "")
+            label = next((s.labels[k] for k in ("path", "reason", "action", "outcome")
+                          if k in s.labels), "")
             values[s.name, label] = s.value
     return values
 

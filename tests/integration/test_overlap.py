@@ -1,0 +1,49 @@
+"""Overlapped decode steps (worker/overlap.py; SIDING_OVERLAP=1, which the launched cluster
+inherits): a worker that enqueues each greedy decode step's successor before its plan arrives
+gives the same token ids as workers that do not, with device and host KV, alone and (in exact
+mode) in a crowd whose batch changes every few steps; it reports the steps it used and dropped."""
+
+from __future__ import annotations
+
+import pytest
+from integration.test_kv_host import CROWD, MODEL, crowd, outputs, scrape
+
+from coordinator.prometheus_config import free_metrics_port, worker_ports
+from worker.overlap import OVERLAP_ENV
+
+
+@pytest.fixture(scope="module")
+def reference(launch) -> list[list[int]]:
+    c = launch(*MODEL, "--workers", "2")  # two stages: no step is ever guessed
+    out = outputs(c.endpoint)
+    c.stop()
+    return out
+
+
+@pytest.mark.parametrize("kv", [("--kv", "device"), ("--kv", "host", "--pipeline-depth", "1")])
+def test_overlapped_steps_give_the_tokens_of_plain_ones(launch, reference, monkeypatch, kv):
+    monkeypatch.setenv(OVERLAP_ENV, "1")
+    port = free_metrics_port(1)
+    c = launch(*MODEL, *kv, "--metrics-port", str(port))
+    assert outputs(c.endpoint) == reference
+    (worker,) = worker_ports(port, 1)
+    m = scrape(worker)
+    # greedy requests of 4 and 8 tokens: guesses from the third decode step on, and one dropped
+    # when each ends (the next plan is another request's)
+    assert m["siding_ahead_steps_total", "used"] >= 4
+    assert m["siding_ahead_steps_total", "dropped"] >= 1
+    c.stop()
+
+
+def test_overlapped_steps_keep_exact_mode_exact_for_a_crowd(launch, monkeypatch):
+    plain = launch(*MODEL, "--exact", "--workers", "2")
+    expected = crowd(plain.endpoint)
+    plain.stop()
+    monkeypatch.setenv(OVERLAP_ENV, "1")
+    port = free_metrics_port(1)
+    overlapped = launch(*MODEL, "--exact", "--kv", "host", "--metrics-port", str(port))
+    assert crowd(overlapped.endpoint) == expected
+    (worker,) = worker_ports(port, 1)
+    m = scrape(worker)
+    assert m["siding_ahead_steps_total", "dropped"] >= len(CROWD) - 1  # the batch shrinks
+    overlapped.stop()

@@ -1,0 +1,84 @@
+"""Overlapped decode steps, on a worker that is the whole pipeline (first and last stage).
+
+The coordinator plans step N+1 only once step N's tokens are back. Between the two, a worker's
+host spends 0.3-0.6 ms (on an H200) turning step N's logits into tokens, sending them, and
+enqueuing step N+1, plus the round trip to the coordinator: the device idles all that time, and
+with `--kv host` so does the link once the layers primed for step N+1 have landed
+(docs/overlap-scheduling.md).
+
+So after enqueuing a decode step in which every sequence decodes greedily, the worker also
+enqueues the step that would follow it (`follow_on`: each sequence one position on, its input
+the token just chosen, still on the device) before it reads that token on the host. When the
+coordinator's plan arrives and is that step (`Ahead.matches`: the same sequences, positions and
+tokens, nothing freed, parked, restored, copied or added), its work is already on the device;
+otherwise it is dropped and the plan runs as usual. Only a worker whose last steps continued
+one another guesses (`continues`): right after the batch changed, it is likely to change again.
+
+A dropped step costs device time, never bytes: it computes what the real step would (the same
+rows of the same sequences on the same pages), and the K and V rows it writes one position past
+each context lie in the sequence's last page, which it owns alone (a fork copies the tail page),
+where the next step to reach that position writes again before anything reads it. Exact mode
+keeps its guarantee: a row's bits do not depend on which step carried it.
+
+`SIDING_OVERLAP` (`1` on, `0` off; unset: on for CUDA devices) decides it. On a CPU the forward
+pass is synchronous, so a guess computes a whole step before anything else can run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from protocol.messages import SeqPlan, Step
+
+from .runner import ModelRunner
+from .sampler import SamplingParams
+
+OVERLAP_ENV = "SIDING_OVERLAP"
+
+
+def overlap_enabled(device: torch.device | str) -> bool:
+    value = os.environ.get(OVERLAP_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{OVERLAP_ENV} must be 0 or 1, not {value!r}")
+    return value == "1" or (value == "" and torch.device(device).type == "cuda")
+
+
+def continues(last: Step | None, plan: Step) -> bool:
+    """Whether `plan` is a decode step of exactly `last`'s sequences, each one position on."""
+    return (last is not None and len(plan.seqs) == len(last.seqs)
+            and all(s.id == p.id and s.n == 1 and s.start == p.start + p.n
+                    for s, p in zip(plan.seqs, last.seqs)))
+
+
+def follow_on(plan: Step, runner: ModelRunner) -> Step | None:
+    """The step that continues `plan` if the worker may enqueue it before it is asked: every
+    sequence decodes greedily and has room for one more position in its pages."""
+    if not (runner.first and runner.last and plan.seqs):
+        return None
+    seqs = []
+    for s in plan.seqs:
+        if s.n != 1 or not s.sample or not runner.sampling.get(s.id, SamplingParams()).greedy:
+            return None
+        if s.start + 2 > len(runner.tables[s.id]) * runner.pool.page_size:
+            return None  # the next position needs a page only the coordinator can give
+        seqs.append(SeqPlan(id=s.id, start=s.start + 1, n=1, sample=True))
+    return Step(step=plan.step, seqs=seqs, token_ids=[0] * len(seqs))  # inputs on the device
+
+
+@dataclass
+class Ahead:
+    """A step enqueued before its plan arrived."""
+
+    plan: Step  # as guessed: its token ids are placeholders
+    inputs: list[int]  # the tokens it was enqueued on (the step before's, read since)
+    tokens: torch.Tensor  # its greedy tokens, on the device
+
+    def matches(self, plan: Step) -> bool:
+        if plan.free or plan.park or plan.restore or plan.copies or plan.token_ids != self.inputs:
+            return False
+        return len(plan.seqs) == len(self.plan.seqs) and all(
+            s.id == g.id and s.start == g.start and s.n == 1 and s.sample and not s.pages_add
+            and s.sampling is None for s, g in zip(plan.seqs, self.plan.seqs))
