@@ -234,6 +234,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=64, help="generated tokens per sequence")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--kv", default="device", choices=["device", "host"],
+                   help="where the workers keep KV pages (`siding launch --kv`)")
+    p.add_argument("--pipeline-depth", type=int, default=1,
+                   help="with --kv host: layers delivered ahead (`siding launch`)")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers arm")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="siding runs decode steps eagerly (`siding launch` flag)")
@@ -256,7 +260,8 @@ def cluster_args(args: argparse.Namespace, dtype: torch.dtype, threads: int) -> 
         # The whole batch prefills in one step, as transformers does, so its sequences decode
         # in lockstep from the first token on.
         "--max-batch-tokens", str(max(512, biggest * args.context)),
-        "--worker-threads", str(threads),
+        "--worker-threads", str(threads), "--kv", args.kv,
+        "--pipeline-depth", str(args.pipeline_depth),
         *([] if args.cuda_graphs else ["--no-cuda-graphs"]),
     ]
 
