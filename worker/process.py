@@ -89,7 +89,7 @@ class Worker:
         self.arrived: dict[int, Activations | tuple[Activations, torch.Tensor]] = {}
         self.rank = -1
         self.runner: ModelRunner | None = None
-        self.overlap = overlap_enabled(device)
+        self.overlap = False  # set by _load
         self.ahead: Ahead | None = None  # a step enqueued before its plan arrived
         self.last_plan: Step | None = None  # the last plan run, to tell a steady batch
 
@@ -162,6 +162,7 @@ class Worker:
         else:
             raise ValueError(f"unknown KV mode {a.kv_mode!r}: use device or host")
         park = ParkStore(pool, a.park_pages or a.kv_pages)
+        self.overlap = overlap_enabled(self.device, a.kv_mode)
         graphs = None
         if a.cuda_graphs and torch.device(self.device).type == "cuda":
             try:

@@ -73,13 +73,14 @@ def test_only_the_plan_it_guessed_uses_a_step_enqueued_ahead(change):
     assert ahead.matches(plan) == (not change)
 
 
-def test_overlap_is_on_for_cuda_by_default_and_refuses_a_bad_setting(monkeypatch):
+def test_overlap_is_on_by_default_for_cuda_with_device_kv_and_refuses_a_bad_setting(monkeypatch):
     monkeypatch.delenv(OVERLAP_ENV, raising=False)
-    assert overlap_enabled("cuda:0") and not overlap_enabled("cpu")
+    assert overlap_enabled("cuda:0", "device")
+    assert not overlap_enabled("cuda:0", "host") and not overlap_enabled("cpu", "device")
     monkeypatch.setenv(OVERLAP_ENV, "1")
-    assert overlap_enabled("cpu")
+    assert overlap_enabled("cpu", "host")
     monkeypatch.setenv(OVERLAP_ENV, "0")
-    assert not overlap_enabled("cuda:0")
+    assert not overlap_enabled("cuda:0", "device")
     monkeypatch.setenv(OVERLAP_ENV, "yes")
     with pytest.raises(ValueError, match=OVERLAP_ENV):
-        overlap_enabled("cpu")
+        overlap_enabled("cpu", "device")
