@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from coordinator.config import threads_per_worker
 from coordinator.local_cluster import LocalCluster
 from protocol import AsyncClient
 from worker.loaders import DEFAULT_MODEL, resolve
@@ -270,7 +271,7 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     stamp = timestamp()
     device = args.device.split(",")[0]
-    threads = max(1, (os.cpu_count() or 1) // args.workers)
+    threads = threads_per_worker(args.workers)
     torch.set_num_threads(threads)  # the transformers arm gets the cores one worker gets
     model_args = resolve(args.model).args
     if args.context + args.tokens > model_args.max_context:

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+
+
+def threads_per_worker(workers: int) -> int:
+    """Torch CPU threads for each of `workers` local workers: the cores this process may run on
+    (its affinity, which `taskset` and container CPU sets narrow, not the machine's count) shared
+    out. More threads than cores make every CPU op spin."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // workers)
 
 
 @dataclass
@@ -28,7 +37,7 @@ class CoordinatorConfig:
     curve_keys: str | None = None
     insecure: bool = False
     spawn_workers: bool = True  # launch: start local worker processes
-    worker_threads: int = 0  # torch threads per local worker (0: cores / workers)
+    worker_threads: int = 0  # torch threads per local worker (0: threads_per_worker)
     startup_timeout: float = 600.0
     heartbeat_timeout: float = 2.0
     step_timeout: float = 300.0  # a step in flight longer than this restarts the workers

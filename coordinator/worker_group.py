@@ -4,7 +4,6 @@ and plan dispatch. Knows sockets and processes, not scheduling."""
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import zmq
 from protocol.messages import Assign, Heartbeat, ModelInfo, Ready, Register, Shutdown, StepError
 from protocol.wire import encode
 
-from .config import CoordinatorConfig
+from .config import CoordinatorConfig, threads_per_worker
 
 log = logging.getLogger("siding.coordinator")
 
@@ -53,7 +52,7 @@ class WorkerGroup:
         c = self.config
         bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port of a `*` bind
         endpoint = bound.replace("0.0.0.0", "127.0.0.1")
-        threads = c.worker_threads or max(1, (os.cpu_count() or 1) // c.workers)
+        threads = c.worker_threads or threads_per_worker(c.workers)
         for rank, device in enumerate(c.devices):
             cmd = [sys.executable, "-m", "worker", "--coordinator", endpoint, "--rank", str(rank),
                    "--device", device, "--threads", str(threads), "--exit-with-parent"]
