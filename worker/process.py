@@ -257,14 +257,7 @@ class Worker:
             if self.overlap and continues(last, plan) and follow_on(plan, runner) is not None:
                 self._overlapped(plan, runner.greedy(meta, out), t0)
             elif runner.last:
-                seq_ids, tokens = runner.sample(plan, meta, out)
-                elapsed = time.perf_counter() - t0
-                self.metrics.forward(elapsed)
-                self.ctl.send_multipart(encode(StepResult(
-                    step=plan.step, seq_ids=seq_ids, tokens=tokens,
-                    forward_seconds=elapsed,
-                    park_seconds=runner.park_seconds,
-                )))
+                self._send_tokens(plan, *runner.sample(plan, meta, out), t0)
             else:
                 out = out.contiguous().cpu()  # waits for the device: the stage's whole time
                 self.metrics.forward(time.perf_counter() - t0)
@@ -293,8 +286,9 @@ class Worker:
         if cuda:
             done = torch.cuda.Event()
             done.record()
+        ids = [s.id for s in plan.seqs]  # every one samples (follow_on)
         if not cuda:
-            self._send_tokens(plan, host.tolist(), t0)
+            self._send_tokens(plan, ids, host.tolist(), t0)
         nxt = follow_on(plan, runner)
         if nxt is not None:
             try:
@@ -306,15 +300,16 @@ class Worker:
                 self.ahead = None
         if cuda:
             done.synchronize()
-            self._send_tokens(plan, host.tolist(), t0)
+            self._send_tokens(plan, ids, host.tolist(), t0)
         if self.ahead is not None:
             self.ahead.inputs = host.tolist()
 
-    def _send_tokens(self, plan: Step, tokens: list[int], t0: float) -> None:
+    def _send_tokens(self, plan: Step, seq_ids: list[int], tokens: list[int], t0: float) -> None:
+        """The last stage's answer: the step's sampled tokens, `t0` when its forward began."""
         elapsed = time.perf_counter() - t0
         self.metrics.forward(elapsed)
         self.ctl.send_multipart(encode(StepResult(
-            step=plan.step, seq_ids=[s.id for s in plan.seqs], tokens=tokens,
+            step=plan.step, seq_ids=seq_ids, tokens=tokens,
             forward_seconds=elapsed, park_seconds=self.runner.park_seconds,
         )))
 

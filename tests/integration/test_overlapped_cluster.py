@@ -20,7 +20,13 @@ def reference(launch) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("kv", [("--kv", "device"), ("--kv", "host", "--pipeline-depth", "1")])
+@pytest.mark.parametrize("kv", [
+    ("--kv", "device"),
+    ("--kv", "host", "--pipeline-depth", "1"),
+    # every sequence parked and restored elsewhere every 3 decode steps: plans that park, and
+    # the steps after them, never match a guess
+    ("--kv", "host", "--pipeline-depth", "2", "--preempt-every", "3"),
+])
 def test_overlapped_steps_give_the_tokens_of_plain_ones(launch, reference, monkeypatch, kv):
     monkeypatch.setenv(OVERLAP_ENV, "1")
     port = free_metrics_port(1)
