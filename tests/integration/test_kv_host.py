@@ -99,10 +99,16 @@ def test_host_kv_tokens_match_device_kv(launch, reference, monkeypatch, depth, w
     c.stop()
 
 
-def test_exact_host_kv_matches_exact_device_kv_for_a_concurrent_crowd(launch, monkeypatch):
+def exact_crowd(launch) -> list[list[int]]:
+    """The crowd's tokens from an exact-mode cluster of two workers on device KV."""
     device = launch(*MODEL, "--exact", "--workers", "2")
-    expected = crowd(device.endpoint)
+    out = crowd(device.endpoint)
     device.stop()
+    return out
+
+
+def test_exact_host_kv_matches_exact_device_kv_for_a_concurrent_crowd(launch, monkeypatch):
+    expected = exact_crowd(launch)
     monkeypatch.setenv(DELAY_ENV, "1")
     host = launch(*MODEL, "--exact", "--kv", "host", "--pipeline-depth", "2")
     assert crowd(host.endpoint) == expected

@@ -6,7 +6,7 @@ mode) in a crowd whose batch changes every few steps; it reports the steps it us
 from __future__ import annotations
 
 import pytest
-from integration.test_kv_host import CROWD, MODEL, crowd, outputs, scrape
+from integration.test_kv_host import CROWD, MODEL, crowd, exact_crowd, outputs, scrape
 
 from coordinator.prometheus_config import free_metrics_port, worker_ports
 from worker.overlap import OVERLAP_ENV
@@ -42,9 +42,7 @@ def test_overlapped_steps_give_the_tokens_of_plain_ones(launch, reference, monke
 
 
 def test_overlapped_steps_keep_exact_mode_exact_for_a_crowd(launch, monkeypatch):
-    plain = launch(*MODEL, "--exact", "--workers", "2")
-    expected = crowd(plain.endpoint)
-    plain.stop()
+    expected = exact_crowd(launch)
     monkeypatch.setenv(OVERLAP_ENV, "1")
     port = free_metrics_port(1)
     overlapped = launch(*MODEL, "--exact", "--kv", "host", "--metrics-port", str(port))
