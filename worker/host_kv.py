@@ -21,10 +21,10 @@ A step:
   about to touch the pages. Until then the host pages lack them, and so do the slots copied from
   those pages (the primes, and the next step's own deliveries): a step that continues the last
   one **carries** its rows, kept on the device, and writes them into each slot before its own
-  (`carried`; on the same places, which a continuing window keeps). So a continuing step never
-  waits on the host for the last one's write-back: the host can enqueue it while the device
-  still runs the last. A step that does not continue lands them in `begin_step`, before the ring
-  reads a page.
+  (`carried`; on the same places, which a continuing window keeps). So a continuing step has
+  every layer enqueued before the host waits for the last one's write-back (in its end_step):
+  the host can enqueue it while the device still runs the last. A step that does not continue
+  lands them in `begin_step`, before the ring reads a page.
 """
 
 from __future__ import annotations
@@ -148,9 +148,10 @@ class HostKVPool:
         self._land()
 
     def _land(self) -> None:
-        """Wait for the last write-back and scatter its rows into their pages. Primes may still
-        be reading those pages: they are torn at most where these rows land, and those are the
-        bytes each prime's patch writes in from the device."""
+        """Wait for the last write-back and scatter its rows into their pages. Deliveries may
+        still be reading those pages (primes, a continuing step's own): they are torn at most
+        where these rows land, which is where a step that uses them writes its carried rows; a
+        step that does not continue lands them before its first delivery."""
         if self._writeback is None:
             return
         self.ring.settle(self._wb_done)

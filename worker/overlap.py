@@ -80,6 +80,7 @@ class Ahead:
     plan: Step  # as guessed: its token ids are placeholders
     inputs: list[int]  # the tokens it was enqueued on (the step before's, read since)
     tokens: torch.Tensor  # its greedy tokens, on the device
+    started: float  # perf_counter when it was enqueued: its forward time counts from there
 
     def matches(self, plan: Step) -> bool:
         if plan.free or plan.park or plan.restore or plan.copies or plan.token_ids != self.inputs:

@@ -243,7 +243,7 @@ class Worker:
                 used = ahead.matches(plan)
                 self.metrics.ahead("used" if used else "dropped")
                 if used:  # its work is enqueued already
-                    self._overlapped(plan, ahead.tokens, time.perf_counter())
+                    self._overlapped(plan, ahead.tokens, ahead.started)
                     return
             meta = runner.apply(plan)
             if isinstance(upstream, Activations):
@@ -257,7 +257,7 @@ class Worker:
             if self.overlap and continues(last, plan) and follow_on(plan, runner) is not None:
                 self._overlapped(plan, runner.greedy(meta, out), t0)
             elif runner.last:
-                self._send_tokens(plan, *runner.sample(plan, meta, out), t0)
+                self._send_tokens(plan, *runner.sample(plan, meta, out), t0, runner.park_seconds)
             else:
                 out = out.contiguous().cpu()  # waits for the device: the stage's whole time
                 self.metrics.forward(time.perf_counter() - t0)
@@ -279,6 +279,7 @@ class Worker:
         device goes on while the host waits; on a CPU after sending them (the forward pass is
         synchronous there)."""
         runner = self.runner
+        park_seconds = runner.park_seconds  # the next step's apply resets it
         cuda = tokens.device.type == "cuda"
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
         host.copy_(tokens, non_blocking=cuda)
@@ -288,29 +289,32 @@ class Worker:
             done.record()
         ids = [s.id for s in plan.seqs]  # every one samples (follow_on)
         if not cuda:
-            self._send_tokens(plan, ids, host.tolist(), t0)
+            self._send_tokens(plan, ids, host.tolist(), t0, park_seconds)
         nxt = follow_on(plan, runner)
         if nxt is not None:
             try:
+                started = time.perf_counter()
                 nxt_meta = runner.apply(nxt)
                 out = runner.forward(nxt, nxt_meta, None, tokens)
-                self.ahead = Ahead(nxt, [], runner.greedy(nxt_meta, out))
+                self.ahead = Ahead(nxt, [], runner.greedy(nxt_meta, out), started)
             except Exception:  # the plan itself is unharmed: the guess is dropped
                 log.exception("step %d: the step after it could not be enqueued", plan.step)
                 self.ahead = None
         if cuda:
             done.synchronize()
-            self._send_tokens(plan, ids, host.tolist(), t0)
+            self._send_tokens(plan, ids, host.tolist(), t0, park_seconds)
         if self.ahead is not None:
             self.ahead.inputs = host.tolist()
 
-    def _send_tokens(self, plan: Step, seq_ids: list[int], tokens: list[int], t0: float) -> None:
-        """The last stage's answer: the step's sampled tokens, `t0` when its forward began."""
+    def _send_tokens(self, plan: Step, seq_ids: list[int], tokens: list[int], t0: float,
+                     park_seconds: float) -> None:
+        """The last stage's answer: the step's sampled tokens; `t0` when its forward began
+        (for a guessed step, when it was enqueued)."""
         elapsed = time.perf_counter() - t0
         self.metrics.forward(elapsed)
         self.ctl.send_multipart(encode(StepResult(
             step=plan.step, seq_ids=seq_ids, tokens=tokens,
-            forward_seconds=elapsed, park_seconds=self.runner.park_seconds,
+            forward_seconds=elapsed, park_seconds=park_seconds,
         )))
 
     def _forward_failure(self, step: int) -> None:

@@ -6,12 +6,17 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
+from unit.test_staging_ring import pools
 
 from protocol.messages import PageCopy, PageMove, Sampling, SeqPlan, Step
+from worker.loaders.synthetic import SyntheticSource
 from worker.overlap import OVERLAP_ENV, Ahead, continues, follow_on, overlap_enabled
+from worker.park_store import ParkStore
+from worker.runner import ModelRunner
 from worker.sampler import SamplingParams
 
-PAGE = 4
+PAGE = 4  # the staging-ring tests' page size, whose pools these tests borrow
 
 
 def runner(sampling: dict[int, SamplingParams] | None = None) -> SimpleNamespace:
@@ -65,7 +70,7 @@ def test_a_batch_is_steady_when_its_sequences_each_moved_one_position():
 ])
 def test_only_the_plan_it_guessed_uses_a_step_enqueued_ahead(change):
     guessed = follow_on(decode((1, 5), (2, 1)), runner())
-    ahead = Ahead(guessed, inputs=[101, 102], tokens=None)
+    ahead = Ahead(guessed, inputs=[101, 102], tokens=None, started=0.0)
     plan = decode((1, 6), (2, 2), step=4)
     plan.token_ids = [101, 102]
     for key, value in change.items():
@@ -84,3 +89,57 @@ def test_overlap_is_on_by_default_for_cuda_with_device_kv_and_refuses_a_bad_sett
     monkeypatch.setenv(OVERLAP_ENV, "yes")
     with pytest.raises(ValueError, match=OVERLAP_ENV):
         overlap_enabled("cpu", "device")
+
+
+def plans_after_a_guess() -> list[Step]:
+    """A (1), B (2) and E (4) prefill and decode two steps; a guess follows the second. Then A
+    is freed and its pages, the last one holding the guess's row, go to a new sequence C (3),
+    and E is parked, to be restored into other pages a step later."""
+    return [
+        Step(step=0, seqs=[SeqPlan(id=1, start=0, n=6, pages_add=[0, 1, 8], sample=True),
+                           SeqPlan(id=2, start=0, n=6, pages_add=[2, 3, 13], sample=True),
+                           SeqPlan(id=4, start=0, n=6, pages_add=[6, 7, 9], sample=True)]),
+        Step(step=1, seqs=[SeqPlan(id=i, start=6, n=1, sample=True) for i in (1, 2, 4)]),
+        Step(step=2, seqs=[SeqPlan(id=i, start=7, n=1, sample=True) for i in (1, 2, 4)]),
+        Step(step=3, free=[1], park=[PageMove(id=4, pages=[6, 7, 9], slots=[0, 1, 2])],
+             seqs=[SeqPlan(id=2, start=8, n=1, sample=True),
+                   SeqPlan(id=3, start=0, n=5, pages_add=[0, 1, 8], sample=True)]),
+        Step(step=4, seqs=[SeqPlan(id=2, start=9, n=1, sample=True),
+                           SeqPlan(id=3, start=5, n=1, sample=True)],
+             restore=[PageMove(id=4, pages=[10, 11, 12], slots=[0, 1, 2])]),
+        *(Step(step=5 + k, seqs=[SeqPlan(id=2, start=10 + k, n=1, sample=True),
+                                 SeqPlan(id=3, start=6 + k, n=1, sample=True),
+                                 SeqPlan(id=4, start=8 + k, n=1, sample=True)])
+          for k in range(2)),
+    ]
+
+
+def decode_run(kv: str, depth: int, guess: bool) -> list[tuple[torch.Tensor, list[int]]]:
+    source = SyntheticSource("tiny")
+    a = source.args
+    stage = source.load_stage(0, a.n_layers, torch.float32, "cpu")
+    device, host = pools(depth, delay_ms=0.3, n_pages=16,
+                         shape=(a.n_layers, PAGE, a.n_kv_heads, a.head_dim))
+    pool = host if kv == "host" else device
+    runner = ModelRunner(stage, pool, ParkStore(pool, 4), "cpu")
+    out = []
+    for plan in plans_after_a_guess():
+        plan.token_ids = [50 + 7 * plan.step + s.id + j for s in plan.seqs for j in range(s.n)]
+        meta = runner.apply(plan)
+        hidden = runner.forward(plan, meta, None)
+        out.append((hidden, runner.sample(plan, meta, hidden)[1]))
+        if guess and plan.step == 2:  # what a worker enqueues, and then drops
+            nxt = follow_on(plan, runner)
+            nxt_meta = runner.apply(nxt)
+            inputs = torch.tensor([9 + s.id for s in nxt.seqs])  # whatever it guessed
+            runner.greedy(nxt_meta, runner.forward(nxt, nxt_meta, None, inputs))
+    return out
+
+
+@pytest.mark.parametrize("kv,depth", [("device", 0), ("host", 0), ("host", 1), ("host", 2)])
+def test_a_dropped_guess_leaves_no_trace(kv, depth):
+    """Its rows, one position past each context in pages that are then freed, reused, parked
+    and restored, change no bit of any later step."""
+    plain, guessed = decode_run("device", 0, False), decode_run(kv, depth, True)
+    for step, ((h1, t1), (h2, t2)) in enumerate(zip(plain, guessed, strict=True)):
+        assert torch.equal(h1, h2) and t1 == t2, f"step {step}"

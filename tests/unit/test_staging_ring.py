@@ -253,6 +253,17 @@ def test_decode_steps_take_their_first_layers_primed_by_the_step_before():
     assert host.ring.stats.primed_steps == 2
 
 
+def test_a_window_of_other_pages_but_the_same_size_is_delivered_from_its_own_pages():
+    """The copies a delivery issues are cached per (layer, slot) and must follow the window's
+    runs, not only its slots: two sequences of two pages each decode in turn, so every step
+    reads a window of the same size (the same buffer and slots) on other pages."""
+    device, host = pools(depth=1, bridge=0)
+    tables = {0: [3, 4], 1: [20, 21]}
+    assert_same_run(device, host, tables, [[(0, 0, 6)], [(1, 0, 6)], [(0, 6, 1)], [(1, 6, 1)],
+                                           [(0, 7, 1)], [(1, 7, 1)]])
+    assert host.ring.stats.reallocations == 1
+
+
 def test_a_window_keeps_the_places_of_its_pages_when_pages_are_added_after_them():
     assert keeps_places([(3, 2, 0)], [(3, 3, 0)])
     assert keeps_places([(3, 2, 0), (9, 1, 2)], [(3, 2, 0), (9, 2, 2), (20, 1, 4)])
