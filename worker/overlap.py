@@ -83,6 +83,9 @@ class Ahead:
     started: float  # perf_counter when it was enqueued: its forward time counts from there
 
     def matches(self, plan: Step) -> bool:
+        """Whether `plan` is this step exactly: the same sequences at the same positions on
+        the same inputs, and nothing else to apply (no frees, parks, restores, copies, pages or
+        sampling parameters), so that skipping `apply` loses nothing."""
         if plan.free or plan.park or plan.restore or plan.copies or plan.token_ids != self.inputs:
             return False
         return len(plan.seqs) == len(self.plan.seqs) and all(
