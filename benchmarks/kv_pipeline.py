@@ -16,7 +16,8 @@ the same run, per context:
 
 With `--ahead`, every arm also runs overlapped ("ahead device", "ahead ordered", "ahead depth
 N"): each step is enqueued on the last step's greedy token while that is still on the device, and
-the host reads the token only after, as `docs/overlap-scheduling.md` proposes for the engine. An
+the host reads the token only after, as a worker does with `SIDING_OVERLAP` (`worker/overlap.py`,
+`docs/overlap-scheduling.md`). An
 overlapped arm's ceiling is max(copy, the overlapped device arm), its speed-up over the
 overlapped ordered arm.
 
@@ -24,7 +25,7 @@ Reported: step time (a round's mean, median over rounds) and tokens/s per arm, s
 p50/p90/p99 (a slow step in a round shows there, not in the mean), speed-up over ordered,
 fraction of the ceiling, achieved H2D bandwidth (a step's KV bytes over the copy time, and over
 each arm's step time) against the link, bytes per copy, ring bytes, compute-side waits,
-declines, and whether every arm produced the same tokens.
+declines, and whether every arm produced the same tokens (and if not, where each first differs).
 """
 
 from __future__ import annotations
