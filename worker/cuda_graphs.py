@@ -140,7 +140,7 @@ class StepBuffers:
         self.ints.zero_()
         self.attn_positions.fill_(-1)
         if self.carry_at is not None:
-            self.carry_at[0].fill_(-1)
+            self._fill_carried(None)
 
     def fill(self, meta: BatchMeta) -> None:
         n, rows = meta.n_seqs, self.rows

@@ -34,6 +34,7 @@ import weakref
 from dataclasses import replace
 from functools import partial
 from itertools import chain
+from typing import NamedTuple
 
 import torch
 
@@ -62,6 +63,16 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
         return t.pin_memory()
     weakref.finalize(t, _unregister, t.data_ptr()).atexit = False  # exit frees it anyway
     return t
+
+
+class LastStep(NamedTuple):
+    """What the next step carries of the last one, if it continues it."""
+
+    rows: torch.Tensor  # [L, 2, T, KVH, D], on the device
+    pages: torch.Tensor  # [T], where they went in the last step's slot
+    offsets: torch.Tensor  # [T]
+    runs: list  # the last step's window: the places must still hold
+    decode: bool  # a decode step: a carried row count is the next step's
 
 
 def _unregister(ptr: int) -> None:
@@ -94,10 +105,7 @@ class HostKVPool:
         self.meta: BatchMeta | None = None  # the step's metadata, renumbered into the slot
         self.step: BatchMeta | None = None  # the step's metadata as the runner built it
         self.rows: list[torch.Tensor] = []  # k, v of each layer so far: [T, KVH, D] each
-        # The last step's rows [L, 2, T, KVH, D] on the device, where they went in its slot
-        # (pages, offsets), its runs and whether it was a decode step: what the next step
-        # carries if it continues it
-        self._last: tuple | None = None
+        self._last: LastStep | None = None
         # this step's carried rows (rows, slot pages, offsets), or None
         self.carried: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # the last step's (pages used, write pages) and what `_pack` made of them: a decode
@@ -183,8 +191,8 @@ class HostKVPool:
         self._prev = None  # until this step completes
         last = self._last
         self.carried = None
-        if reuse and last[4] and keeps_places(last[3], runs):
-            self.carried = last[:3]
+        if reuse and last.decode and keeps_places(last.runs, runs):
+            self.carried = (last.rows, last.pages, last.offsets)
         else:  # the ring reads the pages as they are: they must hold the last step's rows
             self._land()
         self.ring.begin_step(runs, reuse and self.carried is not None,
@@ -230,8 +238,8 @@ class HostKVPool:
         self._writeback = (host, rows, *self._write)
         self._open = False
         # rows stays referenced until the next end_step too: the next step's layers read it
-        self._last = (rows, self.meta.write_pages, self.meta.write_offsets, self.ring.runs,
-                      self.step.decode_only)
+        self._last = LastStep(rows, self.meta.write_pages, self.meta.write_offsets,
+                              self.ring.runs, self.step.decode_only)
         self.carried = None
         self._prev = self._batch
         self.ring.prime()
