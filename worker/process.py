@@ -243,7 +243,7 @@ class Worker:
                 used = ahead.matches(plan)
                 self.metrics.ahead("used" if used else "dropped")
                 if used:  # its work is enqueued already
-                    self._overlapped(plan, ahead.tokens, ahead.started)
+                    self._overlapped(plan, ahead.tokens, ahead.started, follow_on(plan, runner))
                     return
             meta = runner.apply(plan)
             if isinstance(upstream, Activations):
@@ -254,8 +254,9 @@ class Worker:
                 raise ProtocolError(f"step {plan.step}: activations do not match the plan")
             t0 = time.perf_counter()
             out = runner.forward(plan, meta, hidden)
-            if self.overlap and continues(last, plan) and follow_on(plan, runner) is not None:
-                self._overlapped(plan, runner.greedy(meta, out), t0)
+            nxt = follow_on(plan, runner) if self.overlap and continues(last, plan) else None
+            if nxt is not None:
+                self._overlapped(plan, runner.greedy(meta, out), t0, nxt)
             elif runner.last:
                 self._send_tokens(plan, *runner.sample(plan, meta, out), t0, runner.park_seconds)
             else:
@@ -273,11 +274,12 @@ class Worker:
                                                      seq_ids=culprits)))
             self._forward_failure(plan.step)
 
-    def _overlapped(self, plan: Step, tokens: torch.Tensor, t0: float) -> None:
+    def _overlapped(self, plan: Step, tokens: torch.Tensor, t0: float, nxt: Step | None
+                    ) -> None:
         """Send `plan`'s greedy tokens (on the device, maybe still being computed), and enqueue
-        the step that follows it, if it may: on a GPU before reading the tokens, so that the
-        device goes on while the host waits; on a CPU after sending them (the forward pass is
-        synchronous there)."""
+        `nxt`, the step that follows it (`follow_on`), if there is one: on a GPU before reading
+        the tokens, so that the device goes on while the host waits; on a CPU after sending
+        them (the forward pass is synchronous there)."""
         runner = self.runner
         park_seconds = runner.park_seconds  # the next step's apply resets it
         cuda = tokens.device.type == "cuda"
@@ -288,23 +290,25 @@ class Worker:
             done = torch.cuda.Event()
             done.record()
         ids = [s.id for s in plan.seqs]  # every one samples (follow_on)
+        chosen = None
         if not cuda:
-            self._send_tokens(plan, ids, host.tolist(), t0, park_seconds)
-        nxt = follow_on(plan, runner)
+            chosen = host.tolist()
+            self._send_tokens(plan, ids, chosen, t0, park_seconds)
+        guess = None
         if nxt is not None:
             try:
                 started = time.perf_counter()
                 nxt_meta = runner.apply(nxt)
                 out = runner.forward(nxt, nxt_meta, None, tokens)
-                self.ahead = Ahead(nxt, [], runner.greedy(nxt_meta, out), started)
+                guess = (runner.greedy(nxt_meta, out), started)
             except Exception:  # the plan itself is unharmed: the guess is dropped
                 log.exception("step %d: the step after it could not be enqueued", plan.step)
-                self.ahead = None
         if cuda:
             done.synchronize()
-            self._send_tokens(plan, ids, host.tolist(), t0, park_seconds)
-        if self.ahead is not None:
-            self.ahead.inputs = host.tolist()
+            chosen = host.tolist()
+            self._send_tokens(plan, ids, chosen, t0, park_seconds)
+        if guess is not None:
+            self.ahead = Ahead(nxt, chosen, *guess)
 
     def _send_tokens(self, plan: Step, seq_ids: list[int], tokens: list[int], t0: float,
                      park_seconds: float) -> None:

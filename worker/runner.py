@@ -131,4 +131,4 @@ class ModelRunner:
 
     def _logits(self, meta: BatchMeta, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] of the rows that sample."""
-        return self.stage.logits(hidden[meta.sample_rows]).float()
+        return self.stage.logits(hidden[meta.sample_rows])
