@@ -9,6 +9,8 @@ from itertools import chain
 
 import torch
 
+from .uploads import upload
+
 
 @dataclass
 class BatchMeta:
@@ -57,15 +59,12 @@ def int64s(values: Iterable[int]) -> torch.Tensor:
 
 def to_device(flat: torch.Tensor, sizes: list[int], device: torch.device | str
               ) -> list[torch.Tensor]:
-    """A host int64 tensor -> pieces of `sizes` on `device`, moved in one copy. For CUDA the copy
-    is from pinned memory and does not block the host (a `torch.tensor(..., device=cuda)` per
-    list would be a pageable copy each, which waits for the stream)."""
+    """A host int64 tensor -> pieces of `sizes` on `device`, moved at once. For CUDA through
+    pinned memory, without blocking the host or waiting for a copy engine (`worker/uploads.py`;
+    a `torch.tensor(..., device=cuda)` per list would be a pageable copy each, which waits for
+    the stream)."""
     device = torch.device(device)
-    if device.type == "cuda":
-        staged = torch.empty(flat.shape, dtype=torch.int64, pin_memory=True).copy_(flat)
-        flat = staged.to(device, non_blocking=True)  # the caching host allocator keeps `staged`
-    else:
-        flat = flat.to(device)
+    flat = upload(flat, device) if device.type == "cuda" else flat.to(device)
     return list(flat.split(sizes))
 
 

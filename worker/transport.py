@@ -9,10 +9,10 @@ latest record at the time they are called, never a later one, and nothing blocks
 `host_wait` and `synchronize` (and, on the CPU, the compute side's `wait`, because there the host
 thread *is* the compute stream).
 
-`CudaTransport` is two dedicated CUDA streams with `torch.cuda.Event`s. `CpuTransport` is two
-copy threads over FIFOs with events of their own, so the same ring logic runs in CI. Both take
-`delay_ms`, a fault injection that delays every copy on either side: with it a
-missing wait shows up as wrong bytes instead of staying hidden behind a fast copy.
+`CudaTransport` is two dedicated CUDA streams and driver events (`worker/cuda_driver.py`).
+`CpuTransport` is two copy threads over FIFOs with events of their own, so the same ring logic
+runs in CI. Both take `delay_ms`, a fault injection that delays every copy on either side: with
+it a missing wait shows up as wrong bytes instead of staying hidden behind a fast copy.
 `make_transport` reads it from `SIDING_TRANSPORT_DELAY_MS`.
 """
 
@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+
+from . import cuda_driver as cuda
 
 DELAY_ENV = "SIDING_TRANSPORT_DELAY_MS"
 # Every wait has a deadline: a transfer that has not landed after this long is a bug, not load.
@@ -82,30 +84,36 @@ def make_transport(device: torch.device | str, delay_ms: float | None = None) ->
 
 
 class CudaTransport:
+    """Two streams of PyTorch's for the transfer and write-back sides, the device's current
+    stream as the compute side, and the stream operations made through the CUDA driver
+    (`worker/cuda_driver.py`): a ring step makes about a hundred of them."""
+
     def __init__(self, device: torch.device | str, delay_ms: float = 0.0):
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
         self.back = torch.cuda.Stream(self.device)
         # The worker computes on the device's current stream and never switches it.
         self.compute = torch.cuda.current_stream(self.device)
+        self._handles = {s: s.cuda_stream for s in (self.stream, self.back)}
+        self._compute = self.compute.cuda_stream
         self.delay_cycles = int(delay_ms * CYCLES_PER_MS)
         self._sample = random.Random(0).random
-        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._timed: list[tuple[cuda.Event, cuda.Event]] = []
 
-    def event(self) -> torch.cuda.Event:
-        return torch.cuda.Event()
+    def event(self) -> cuda.Event:
+        return cuda.Event()
 
-    def record(self, ev: torch.cuda.Event) -> None:
-        ev.record(self.compute)
+    def record(self, ev: cuda.Event) -> None:
+        ev.record(self._compute)
 
-    def wait(self, ev: torch.cuda.Event) -> None:
+    def wait(self, ev: cuda.Event) -> None:
         if self._sample() * WAIT_SAMPLE >= 1:
-            self.compute.wait_event(ev)
+            cuda.wait_event(self._compute, ev)
             return
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(self.compute)
-        self.compute.wait_event(ev)
-        b.record(self.compute)
+        a, b = cuda.Event(timing=True), cuda.Event(timing=True)
+        a.record(self._compute)
+        cuda.wait_event(self._compute, ev)
+        b.record(self._compute)
         self._timed.append((a, b))
 
     def copy(self, pairs: Sequence[Pair], after: Sequence[Any] = (), then: Any = None) -> None:
@@ -116,22 +124,29 @@ class CudaTransport:
 
     def _issue(self, s: torch.cuda.Stream, pairs: Sequence[Pair], after: Sequence[Any],
                then: Any) -> None:
+        handle = self._handles[s]
         for ev in after:
-            s.wait_event(ev)
-        # set_stream rather than the `torch.cuda.stream` context, which costs several stream
-        # lookups a layer; the streams are all on the one device this worker process drives
+            cuda.wait_event(handle, ev)
+        for dst, src in pairs:
+            if self.delay_cycles:
+                self._sleep(s)
+            if not (dst.nbytes == src.nbytes and dst.dtype == src.dtype and dst.is_contiguous()
+                    and src.is_contiguous()):
+                raise ValueError(f"a transport copy needs contiguous tensors of one shape, "
+                                 f"not {tuple(src.shape)} -> {tuple(dst.shape)}")
+            cuda.copy_async(dst.data_ptr(), src.data_ptr(), dst.nbytes, handle,
+                            not dst.is_cuda, not src.is_cuda)
+        if then is not None:
+            then.record(handle)
+
+    def _sleep(self, s: torch.cuda.Stream) -> None:
         torch.cuda.set_stream(s)
         try:
-            for dst, src in pairs:
-                if self.delay_cycles:
-                    torch.cuda._sleep(self.delay_cycles)
-                dst.copy_(src, non_blocking=True)
+            torch.cuda._sleep(self.delay_cycles)
         finally:
             torch.cuda.set_stream(self.compute)
-        if then is not None:
-            then.record(s)
 
-    def host_wait(self, ev: torch.cuda.Event) -> None:
+    def host_wait(self, ev: cuda.Event) -> None:
         ev.synchronize()
 
     def synchronize(self) -> None:
@@ -144,7 +159,7 @@ class CudaTransport:
         done = 0
         while done < len(self._timed) and self._timed[done][1].query():
             done += 1
-        ms = sum(a.elapsed_time(b) for a, b in self._timed[:done])
+        ms = sum(a.elapsed_ms(b) for a, b in self._timed[:done])
         del self._timed[:done]
         return ms * WAIT_SAMPLE / 1e3
 
