@@ -20,11 +20,9 @@ each context lie in the sequence's last page, which it owns alone (a fork copies
 where the next step to reach that position writes again before anything reads it. Exact mode
 keeps its guarantee: a row's bits do not depend on which step carried it.
 
-`SIDING_OVERLAP` (`1` on, `0` off) decides it; unset, it is on for a CUDA device with `--kv
-device`, where it was measured to help (docs/overlap-scheduling.md). With `--kv host` it is off
-by default: through a cluster it was measured slower at one context so far, for reasons not yet
-found, though the in-process bench shows the gain. On a CPU the forward pass is synchronous, so
-a guess computes a whole step before anything else can run.
+`SIDING_OVERLAP` (`1` on, `0` off) decides it; unset, it is on for a CUDA device, where it was
+measured to help with either KV mode (docs/overlap-scheduling.md). On a CPU the forward pass is
+synchronous, so a guess computes a whole step before anything else can run.
 """
 
 from __future__ import annotations
@@ -42,13 +40,13 @@ from .sampler import SamplingParams
 OVERLAP_ENV = "SIDING_OVERLAP"
 
 
-def overlap_enabled(device: torch.device | str, kv_mode: str) -> bool:
+def overlap_enabled(device: torch.device | str) -> bool:
     value = os.environ.get(OVERLAP_ENV, "")
     if value not in ("", "0", "1"):
         raise ValueError(f"{OVERLAP_ENV} must be 0 or 1, not {value!r}")
     if value:
         return value == "1"
-    return torch.device(device).type == "cuda" and kv_mode == "device"
+    return torch.device(device).type == "cuda"
 
 
 def continues(last: Step | None, plan: Step) -> bool:

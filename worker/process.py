@@ -162,7 +162,7 @@ class Worker:
         else:
             raise ValueError(f"unknown KV mode {a.kv_mode!r}: use device or host")
         park = ParkStore(pool, a.park_pages or a.kv_pages)
-        self.overlap = overlap_enabled(self.device, a.kv_mode)
+        self.overlap = overlap_enabled(self.device)
         graphs = None
         if a.cuda_graphs and torch.device(self.device).type == "cuda":
             try:

@@ -78,17 +78,16 @@ def test_only_the_plan_it_guessed_uses_a_step_enqueued_ahead(change):
     assert ahead.matches(plan) == (not change)
 
 
-def test_overlap_is_on_by_default_for_cuda_with_device_kv_and_refuses_a_bad_setting(monkeypatch):
+def test_overlap_is_on_by_default_for_cuda_and_refuses_a_bad_setting(monkeypatch):
     monkeypatch.delenv(OVERLAP_ENV, raising=False)
-    assert overlap_enabled("cuda:0", "device")
-    assert not overlap_enabled("cuda:0", "host") and not overlap_enabled("cpu", "device")
+    assert overlap_enabled("cuda:0") and not overlap_enabled("cpu")
     monkeypatch.setenv(OVERLAP_ENV, "1")
-    assert overlap_enabled("cpu", "host")
+    assert overlap_enabled("cpu")
     monkeypatch.setenv(OVERLAP_ENV, "0")
-    assert not overlap_enabled("cuda:0", "device")
+    assert not overlap_enabled("cuda:0")
     monkeypatch.setenv(OVERLAP_ENV, "yes")
     with pytest.raises(ValueError, match=OVERLAP_ENV):
-        overlap_enabled("cpu", "device")
+        overlap_enabled("cpu")
 
 
 def plans_after_a_guess() -> list[Step]:
