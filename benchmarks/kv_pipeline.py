@@ -14,6 +14,9 @@ the same run, per context:
 - ceiling: max(copy, compute), the best a pipelined step can do (ordered pays copy + compute);
 - link: one large pinned host -> device copy.
 
+`--slot-layers 1,4` adds an arm per depth whose ring slots hold 4 layers each ("depth N x4"): a
+captured step launches a graph per slot's layers rather than per layer.
+
 With `--ahead`, every arm also runs overlapped ("ahead device", "ahead ordered", "ahead depth
 N"): each step is enqueued on the last step's greedy token while that is still on the device, and
 the host reads the token only after, as a worker does with `SIDING_OVERLAP` (`worker/overlap.py`,
@@ -70,7 +73,7 @@ STEP_QUANTILES = (50, 90, 99)
 
 @dataclass
 class Arm:
-    name: str  # "device", "ordered" or "depth N", "ahead ..." for the same overlapped
+    name: str  # "device", "ordered", "depth N" or "depth N xG", "ahead ..." when overlapped
     runner: ModelRunner
     pool: KVPool | HostKVPool
     pages: list[int]
@@ -172,6 +175,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768" if cuda
                    else "256,1024,2048", help="context lengths, comma-separated")
     p.add_argument("--depths", default="1,2,4", help="pipelined depths, comma-separated")
+    p.add_argument("--slot-layers", default="1",
+                   help="layers a ring slot holds, comma-separated: each value past 1 adds an arm "
+                   "per depth, named 'depth N xG' (a graph a slot's layers instead of a layer's)")
     p.add_argument("--steps", type=int, default=16, help="decode steps per arm per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=4, help="decode steps per arm before timing")
@@ -190,8 +196,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.contexts = [int(x) for x in a.contexts.split(",")]
     a.depths = [int(x) for x in a.depths.split(",")]
-    if min(a.contexts) < 1 or min(a.depths) < 1 or a.steps < 1 or a.rounds < 1:
-        p.error("contexts, depths, --steps and --rounds must be positive")
+    a.slot_layers = [int(x) for x in a.slot_layers.split(",")]
+    if (min(a.contexts) < 1 or min(a.depths) < 1 or min(a.slot_layers) < 1 or a.steps < 1
+            or a.rounds < 1):
+        p.error("contexts, depths, --slot-layers, --steps and --rounds must be positive")
     return a
 
 
@@ -205,9 +213,11 @@ def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
     pools: dict[str, KVPool | HostKVPool] = {}
     for prefix in ("", "ahead ") if a.ahead else ("",):
         pools[prefix + "device"] = KVPool(*shape, dtype, device)
-        for depth in [0, *a.depths]:
-            pools[prefix + ("ordered" if depth == 0 else f"depth {depth}")] = HostKVPool(
-                *shape, dtype, device, depth=depth, ring_budget_mib=a.ring_budget_mib)
+        for depth, group in [(0, 1), *((d, g) for d in a.depths for g in a.slot_layers)]:
+            name = f"depth {depth}" + (f" x{group}" if group > 1 else "") if depth else "ordered"
+            pools[prefix + name] = HostKVPool(*shape, dtype, device, depth=depth,
+                                              ring_budget_mib=a.ring_budget_mib,
+                                              slot_layers=group)
     first = pools["ordered"]
     g = torch.Generator().manual_seed(KV_SEED)
     for layer in range(args.n_layers):  # a layer at a time: a float32 draw of it all is large

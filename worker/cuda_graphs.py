@@ -12,6 +12,8 @@ included:
                   step's, which its slot was filled without), its attention, the rest of layer l,
                   layer l + 1 up to q, k, v                              (0 <= l < L)
 
+(captured as one graph each, or several layers' pieces to a graph: below).
+
 What changes from step to step is data in fixed buffers (`StepBuffers`), written by two copies
 before the replay: positions, the flat page tables, the attention blocks, and each layer's page
 base (the slot a staging ring gives the layer this step; 0 for device pages). Rows are padded
@@ -22,8 +24,10 @@ of 256-key splits); splits past a row's keys exit at once.
 With device KV the pieces are one graph: a step is one replay. With host KV the pool's hooks run
 between pieces: before layer l's piece waits for its slot to be delivered, after it records
 the slot's release and issues the next delivery, events a captured graph cannot wait on across
-steps. A pool's buffers are captured by address: when a ring reallocates its buffer, the graphs
-are captured again.
+steps. A ring whose slots hold several layers (`piece_layers`) has a piece per slot's layers,
+the hooks run for each of them around it: fewer launches, each of which costs microseconds of
+host and device time, more while the link is busy (docs/kv-pipelining.md). A pool's buffers
+are captured by address: when a ring reallocates its buffer, the graphs are captured again.
 
 The pieces run the same modules as the eager path (`Block.before_attention` /
 `after_attention`) and the same attention kernel, so a device pool and a host pool, one worker
@@ -76,6 +80,8 @@ class GraphPool(Protocol):
     scale: float
     attention: Callable[..., torch.Tensor]
     hooks: bool  # whether the layers' enter/leave do anything (else one graph a step)
+    # with hooks: layers a piece holds, the hooks run around it for each (a ring slot's layers)
+    piece_layers: int
     carries: bool  # whether a step may carry the last step's rows (`carried`)
     # this step's carried rows [L, 2, T, KVH, D], with their pages (before the base) and
     # offsets [T]: a step writes them into its buffers before its own, where its buffers were
@@ -263,6 +269,25 @@ class StepGraph:
 
         self.fns = [first, *(layer(i) for i in range(n))]
 
+    def run(self) -> None:
+        """The whole step: what one graph holds when the pool needs no hooks."""
+        for fn in self.fns:
+            fn()
+
+    def pieces_of(self, size: int) -> list[Callable[[], None]]:
+        """Piece 0's function, then one running `size` layers' each."""
+        fns = self.fns
+
+        def run(group: list[Callable[[], None]]) -> Callable[[], None]:
+            if len(group) == 1:
+                return group[0]
+
+            def piece() -> None:
+                for fn in group:
+                    fn()
+            return piece
+        return [fns[0], *(run(fns[1 + a:1 + a + size]) for a in range(0, len(fns) - 1, size))]
+
     def release(self) -> None:
         """Free the captured graphs now: the closures above make this object a reference cycle,
         which the garbage collector could otherwise free in the middle of a later capture (a
@@ -336,11 +361,15 @@ class DecodeGraphs:
                 piece()
         else:
             g.pieces[0]()
-            for i, (layer, piece) in enumerate(zip(self.kv.layers, g.pieces[1:], strict=True)):
-                layer.enter()
+            layers, size = self.kv.layers, self.kv.piece_layers
+            for j, piece in enumerate(g.pieces[1:]):
+                group = range(j * size, min((j + 1) * size, len(layers)))
+                for i in group:
+                    layers[i].enter()
                 piece()
-                _, k, v = g.qkv[i]
-                layer.leave(*((k, v) if n == len(k) else (k[:n], v[:n])))
+                for i in group:
+                    _, k, v = g.qkv[i]
+                    layers[i].leave(*((k, v) if n == len(k) else (k[:n], v[:n])))
         return g.x[:n].clone()  # the next replay overwrites g.x
 
     def _current(self) -> bool:
@@ -358,7 +387,7 @@ class DecodeGraphs:
     def _build(self, rows: int, splits: int) -> StepGraph:
         g = StepGraph(self.stage, self.kv, rows, splits, self.device, self.dtype, self.capture)
         if not self.capture:
-            g.pieces = g.fns
+            g.pieces = g.fns if not self.kv.hooks else g.pieces_of(self.kv.piece_layers)
         else:
             t0 = time.perf_counter()
             g.pieces = self._capture(g)
@@ -387,13 +416,12 @@ class DecodeGraphs:
             for fn in g.fns:
                 fn()
         stream.wait_stream(side)
-        groups = [g.fns] if not self.kv.hooks else [[fn] for fn in g.fns]
+        fns = g.pieces_of(self.kv.piece_layers) if self.kv.hooks else [g.run]
         pieces = []
-        for fns in groups:
+        for fn in fns:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                for fn in fns:
-                    fn()
+                fn()
             # a replay rewrites these tensors in place; the attributes the pieces set are not
             # reset by it
             g.keep.append((g.x, g.rope, list(g.qkv), g.buffers.write_page,

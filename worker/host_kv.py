@@ -86,8 +86,10 @@ class HostKVPool:
         dtype: torch.dtype, device: torch.device | str, exact: bool = False, depth: int = 1,
         ring_budget_mib: int = 0, metrics: WorkerMetrics | None = None,
         transport: Transport | None = None, bridge_bytes: int = BRIDGE_BYTES,
+        slot_layers: int = 1,
     ):
-        """ring_budget_mib 0: no cap. transport None: the device's own (`make_transport`)."""
+        """ring_budget_mib 0: no cap. transport None: the device's own (`make_transport`).
+        slot_layers: layers a ring slot holds (`StagingRing`'s group)."""
         self.device = torch.device(device)
         shape = (n_layers, n_pages, 2, page_size, n_kv_heads, head_dim)
         self.kv = host_zeros(shape, dtype, pin=self.device.type == "cuda")
@@ -99,7 +101,7 @@ class HostKVPool:
         self.transport = transport if transport is not None else make_transport(self.device)
         free = partial(device_free_bytes, self.device) if self.device.type == "cuda" else None
         self.ring = StagingRing(self.kv, self.transport, self.device, depth,
-                                ring_budget_mib << 20, free, metrics)
+                                ring_budget_mib << 20, free, metrics, slot_layers)
         self.bridge = bridge_bytes // self.ring.page_bytes
         self.layers = [HostLayerView(self, i) for i in range(n_layers)]
         self.meta: BatchMeta | None = None  # the step's metadata, renumbered into the slot
@@ -133,6 +135,10 @@ class HostKVPool:
     # carried rows.
     hooks = True
     carries = True
+
+    @property
+    def piece_layers(self) -> int:
+        return self.ring.group
 
     def graph_key(self) -> tuple[int, int] | None:
         buf = self.ring.buf

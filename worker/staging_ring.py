@@ -100,17 +100,23 @@ class StagingRing:
     def __init__(
         self, host: torch.Tensor, transport: Transport | None, device: torch.device | str,
         depth: int, budget_bytes: int = 0, free_bytes: Callable[[], int] | None = None,
-        metrics: WorkerMetrics | None = None,
+        metrics: WorkerMetrics | None = None, group: int = 1,
     ):
         """host: [L, n_pages, 2, page, KVH, D]; budget_bytes 0: no cap; free_bytes: the
-        device's free memory (None: not checked)."""
+        device's free memory (None: not checked); group: layers a slot holds (on the ring path;
+        the ordered path takes one layer at a time)."""
         self.host = host
         self.transport = transport
         self.device = torch.device(device)
         self.n_layers = host.shape[0]
         self.page_bytes = host[0, 0].numel() * host.element_size()  # one layer's K+V of a page
         self.depth = depth
-        self.n_slots = min(depth + 2, self.n_layers)
+        # A slot holds `group` consecutive layers' windows, delivered together, waited for at the
+        # group's first layer and released after its last: a captured step launches a graph a
+        # group, not a layer (docs/kv-pipelining.md). depth and n_slots count groups.
+        self.group = max(1, min(group, self.n_layers)) if depth else 1
+        self.n_groups = -(-self.n_layers // self.group)
+        self.n_slots = min(depth + 2, self.n_groups)
         self.budget = budget_bytes
         self.free_bytes = free_bytes
         self.metrics = metrics
@@ -123,16 +129,16 @@ class StagingRing:
         self.ahead = False
         self.prime_next = False
         self.primed: list[Run] | None = None  # the window the next step's first layers hold
-        # Slots are numbered across steps (layer l of a step takes slot (base + l) % n_slots), so
-        # a layer primed for the next step follows the same ring order as any other delivery.
+        # Slots are numbered across steps (group g of a step takes slot (base + g) % n_slots), so
+        # a group primed for the next step follows the same ring order as any other delivery.
         self.base = 0
-        self.issued = 0  # layers of this step below it are delivered or delivering
+        self.issued = 0  # groups of this step below it are delivered or delivering
         self._windows = 0  # layer windows moved this step
         self.runs: list[Run] = []
         self.n = 0
         self.slots: list[torch.Tensor] = []
         self._cut: tuple[int, int, int] | None = None  # (buffer, n, slots) self.slots were cut for
-        # (layer, slot) -> the (dst, src) pairs of its delivery, for this step's runs and slots
+        # (group, slot) -> the (dst, src) pairs of its delivery, for this step's runs and slots
         self._pairs: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @property
@@ -151,12 +157,21 @@ class StagingRing:
         are, and the layers primed for it with them, until the buffer itself must grow."""
         return self.capacity // self.n_slots
 
+    @property
+    def layer_stride(self) -> int:
+        """Pages from one layer's window to the next inside a slot: on the ring path the
+        slot's stride shared out among its layers, so that a growing window keeps them in place
+        as the slots do; on the ordered path, packed."""
+        return self.stride // self.group if self.ahead else self.n
+
     def page_bases(self) -> list[int]:
-        """Where each layer's slot starts in the buffer this step, in pages."""
+        """Where each layer's window starts in the buffer this step, in pages."""
+        g, at = self.group, self.layer_stride
         if not self.ahead:
-            return [0] * self.n_layers
+            return [layer % g * at for layer in range(self.n_layers)]
         stride = self.stride
-        return [(self.base + layer) % self.n_slots * stride for layer in range(self.n_layers)]
+        return [(self.base + layer // g) % self.n_slots * stride + layer % g * at
+                for layer in range(self.n_layers)]
 
     # ---- per step ---------------------------------------------------------------------------
 
@@ -183,42 +198,52 @@ class StagingRing:
             self.transport.synchronize()
         slots = self.n_slots if self.ahead else 1
         moved = self.stats.reallocations
-        self._fit(n * slots)
+        self._fit(n * self.group * slots)
         primed = primed and self.ahead and moved == self.stats.reallocations
         if self._cut != (self.buf.data_ptr(), n, slots):  # slicing is host time before the step
             self._cut = (self.buf.data_ptr(), n, slots)
-            stride = self.stride
-            self.slots = [self.buf[i * stride:i * stride + n] for i in range(slots)]
+            stride, size = self.stride, (self.group - 1) * self.layer_stride + n
+            self.slots = [self.buf[i * stride:i * stride + size] for i in range(slots)]
             self._pairs = {}
-        self.prime_next = prime_next and self.ahead and self.depth < self.n_layers
+        self.prime_next = prime_next and self.ahead and self.depth < self.n_groups
         if not self.ahead:
             self.stats.ordered_steps += 1
             return
         self.stats.ring_steps += 1
         self.stats.primed_steps += primed
-        first = self.n_slots if primed else 0  # only a depth below n_layers is ever primed
-        for m in range(first, min(self.depth, self.n_layers)):
+        first = self.n_slots if primed else 0  # only a depth below n_groups is ever primed
+        for m in range(first, min(self.depth, self.n_groups)):
             self._deliver(m)
         self.issued = max(first, self.depth)
 
     def acquire(self, layer: int) -> torch.Tensor:
-        """Layer `layer`'s window in its slot, once it has landed: [n, 2, page, KVH, D]."""
+        """Layer `layer`'s window in its slot, once it has landed: [n, 2, page, KVH, D]. On the
+        ring path the compute side waits at a group's first layer, for the whole group."""
+        g, i = divmod(layer, self.group)
+        n, at = self.n, i * self.layer_stride
         if not self.ahead:
             slot, host = self.slots[0], self.host[layer]
             for start, count, off in self.runs:
-                slot[off:off + count].copy_(host[start:start + count], non_blocking=True)
+                slot[at + off:at + off + count].copy_(host[start:start + count],
+                                                      non_blocking=True)
             self._windows += 1
-            return slot
-        s = (self.base + layer) % self.n_slots
-        self.transport.wait(self.ready[s])
-        return self.slots[s]
+            return slot[at:at + n] if self.group > 1 else slot
+        s = (self.base + g) % self.n_slots
+        if not i:
+            self.transport.wait(self.ready[s])
+        return self.slots[s][at:at + n] if self.group > 1 else self.slots[s]
 
     def release_slot(self, layer: int) -> None:
-        """Layer `layer`'s attention is enqueued: free its slot, deliver layer + depth."""
-        if self.ahead:
-            self.transport.record(self.release[(self.base + layer) % self.n_slots])
-            if self.issued <= layer + self.depth < self.n_layers:
-                self._deliver(layer + self.depth)
+        """Layer `layer`'s attention is enqueued: after its group's last layer, free the slot and
+        deliver the group `depth` on."""
+        if not self.ahead:
+            return
+        g, i = divmod(layer, self.group)
+        if i + 1 < self.group and layer + 1 < self.n_layers:
+            return
+        self.transport.record(self.release[(self.base + g) % self.n_slots])
+        if self.issued <= g + self.depth < self.n_groups:
+            self._deliver(g + self.depth)
 
     def prime(self) -> None:
         """After the step's last layer: deliver the next step's first layers for this window,
@@ -228,7 +253,7 @@ class StagingRing:
         next step writes into each slot before it reads it."""
         if not self.prime_next:
             return
-        for m in range(self.n_layers, self.n_layers + self.n_slots):
+        for m in range(self.n_groups, self.n_groups + self.n_slots):
             self._deliver(m)
         self.primed = self.runs
 
@@ -237,7 +262,7 @@ class StagingRing:
         self.count(path, self._windows * self.n * self.page_bytes, self._windows * len(self.runs))
         self._windows = 0
         if self.ahead:
-            self.base = (self.base + self.n_layers) % self.n_slots
+            self.base = (self.base + self.n_groups) % self.n_slots
         if self.metrics is not None:
             self.metrics.ring(self.capacity * self.page_bytes, self.n_slots if self.ahead else 0)
 
@@ -264,15 +289,17 @@ class StagingRing:
     # ---- internals --------------------------------------------------------------------------
 
     def _deliver(self, m: int) -> None:
-        """Layer m of this step into its slot; m >= n_layers: layer m - n_layers of the next,
+        """Group m of this step into its slot; m >= n_groups: group m - n_groups of the next,
         a prime."""
-        layer, s = m % self.n_layers, (self.base + m) % self.n_slots
-        pairs = self._pairs.get((layer, s))
+        g, s = m % self.n_groups, (self.base + m) % self.n_slots
+        layers = range(g * self.group, min((g + 1) * self.group, self.n_layers))
+        pairs = self._pairs.get((g, s))
         if pairs is None:
-            slot, host = self.slots[s], self.host[layer]
-            pairs = self._pairs[layer, s] = [(slot[off:off + count], host[start:start + count])
-                                             for start, count, off in self.runs]
-        self._windows += 1
+            slot, at = self.slots[s], self.layer_stride
+            pairs = self._pairs[g, s] = [
+                (slot[i * at + off:i * at + off + count], self.host[layer][start:start + count])
+                for i, layer in enumerate(layers) for start, count, off in self.runs]
+        self._windows += len(layers)
         self.transport.copy(pairs, after=(self.release[s],), then=self.ready[s])
 
     def _take_ring(self) -> bool:
@@ -280,7 +307,7 @@ class StagingRing:
             return False
         if self.transport is None:
             return self._decline("unsupported")
-        need = self.n_slots * self.n * self.page_bytes
+        need = self.n_slots * self.group * self.n * self.page_bytes
         if self.budget and need > self.budget:
             return self._decline("budget")
         grow = need - self.capacity * self.page_bytes
@@ -299,7 +326,7 @@ class StagingRing:
         the headroom), so a growing context reallocates rarely, and shrinks when it holds SHRINK
         times what this window's ring would need."""
         cap = self.capacity
-        ring = self.n * (self.n_slots if self.depth else 1)
+        ring = self.n * self.group * (self.n_slots if self.depth else 1)
         if need <= cap <= SHRINK * ring:
             return
         if self.buf is not None and self.transport is not None:

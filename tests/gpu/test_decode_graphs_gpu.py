@@ -29,12 +29,14 @@ def test_captured_graphs_match_the_eager_forward_bit_for_bit_in_exact_mode():
         assert torch.equal(h1, h2) and t1 == t2
 
 
+@pytest.mark.parametrize("slot_layers", [1, 3])
 @pytest.mark.parametrize("exact", [False, True])
-def test_captured_graphs_with_host_kv_match_device_kv_bit_for_bit(exact):
+def test_captured_graphs_with_host_kv_match_device_kv_bit_for_bit(exact, slot_layers):
+    """Also with a graph per ring slot of three layers."""
     if exact:
         pytest.importorskip("triton")
     on_device = run(runner(exact, device=DEV, dtype=DT))
-    host = run(runner(exact, kv="host", device=DEV, dtype=DT))
+    host = run(runner(exact, kv="host", device=DEV, dtype=DT, slot_layers=slot_layers))
     for (h1, t1), (h2, t2) in zip(on_device, host, strict=True):
         assert torch.equal(h1, h2) and t1 == t2
 

@@ -72,8 +72,8 @@ def run(runner: ModelRunner, prompts: dict[int, int] = PROMPTS
 
 
 def runner(exact: bool, kv: str = "device", graphs: bool = True, device: str = "cpu",
-           dtype: torch.dtype = torch.float32, n_pages: int = 64, depth: int = 1
-           ) -> ModelRunner:
+           dtype: torch.dtype = torch.float32, n_pages: int = 64, depth: int = 1,
+           slot_layers: int = 1) -> ModelRunner:
     """On a CUDA device the pieces are captured graphs and the host pool's copies go on a
     transfer stream; on the CPU the pieces run eagerly and copies go through the copy thread."""
     source = SyntheticSource("tiny")
@@ -84,7 +84,8 @@ def runner(exact: bool, kv: str = "device", graphs: bool = True, device: str = "
     shape = (a.n_layers, n_pages, PAGE, a.n_kv_heads, a.head_dim)
     if kv == "host":
         transport = CudaTransport(device, 0.5) if device != "cpu" else CpuTransport(0.5)
-        pool = HostKVPool(*shape, dtype, device, exact=exact, depth=depth, transport=transport)
+        pool = HostKVPool(*shape, dtype, device, exact=exact, depth=depth, transport=transport,
+                          slot_layers=slot_layers)
     else:
         pool = KVPool(*shape, dtype, device, exact=exact)
     pieces = DecodeGraphs(stage, pool, device, capture=device != "cpu") if graphs else None
@@ -104,14 +105,19 @@ def test_pieces_keep_the_default_mode_tokens():
         assert t1 == t2
 
 
+@pytest.mark.parametrize("slot_layers", [1, 3])
 @pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("depth", [1, 2, 3])
-def test_host_kv_through_the_pieces_matches_device_kv_bit_for_bit(exact, depth):
-    host_runner = runner(exact, kv="host", depth=depth)
+def test_host_kv_through_the_pieces_matches_device_kv_bit_for_bit(exact, depth, slot_layers):
+    """With slots of several layers, a piece holds a slot's layers (the last one fewer)."""
+    host_runner = runner(exact, kv="host", depth=depth, slot_layers=slot_layers)
     on_device, host = run(runner(exact)), run(host_runner)
     for (h1, t1), (h2, t2) in zip(on_device, host, strict=True):
         assert torch.equal(h1, h2) and t1 == t2
-    assert host_runner.pool.ring.stats.primed_steps > 0
+    ring = host_runner.pool.ring
+    assert (ring.stats.primed_steps > 0) == (depth < ring.n_groups)
+    graph = next(iter(host_runner.graphs.graphs.values()))
+    assert len(graph.pieces) == 1 + ring.n_groups
 
 
 def test_only_decode_steps_that_fit_a_bucket_use_the_pieces():

@@ -1,9 +1,10 @@
 """Random schedules of a host pool against a device pool, bit for bit: batches that continue the
 last step (carrying its rows) and batches that do not, sequences joining, finishing and copied
 into new pages between steps, steps forced onto the ordered path by the budget and back, host
-settles, new pages anywhere in the window, every depth, default and exact attention, with and
-without delayed copies. Written by a review of the carried rows; it catches a carry without the
-window check and a non-continuing step that does not land the last step's rows."""
+settles, new pages anywhere in the window, every depth, slots of one to three layers, default
+and exact attention, with and without delayed copies. Written by a review of the carried rows;
+it catches a carry without the window check and a non-continuing step that does not land the
+last step's rows."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def test_random_schedules_match_the_device_pool(seed):
     rng = random.Random(seed)
     device, host = pools(rng.choice([0, 1, 2, 3, 8]), exact=bool(seed % 2),
                          delay_ms=rng.choice([0.0, 0.3]), bridge=rng.choice([0, None]),
-                         n_pages=N_PAGES)
+                         n_pages=N_PAGES, slot_layers=rng.choice([1, 2, 3]))
     free = list(range(N_PAGES))
     rng.shuffle(free)
     seqs: dict[int, list] = {}  # id -> [pages, context]

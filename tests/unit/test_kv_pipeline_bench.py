@@ -9,22 +9,27 @@ from benchmarks import kv_pipeline
 
 
 def test_the_bench_runs_every_arm_to_the_same_tokens_and_records_single_steps(tmp_path, capsys):
-    """Overlapped arms (`--ahead`) included: their tokens come back a step late."""
+    """Overlapped arms (`--ahead`) included: their tokens come back a step late; and arms whose
+    slots hold two layers (`--slot-layers 1,2`)."""
     # 4 warm-up steps, then per round one untimed step and 3 timed ones: positions 44-55, the
     # sequence takes its fourth page (16 positions each) on the fifth step
     kv_pipeline.main(["--model", "synthetic:tiny", "--device", "cpu", "--contexts", "44",
-                      "--depths", "1,2", "--rounds", "2", "--steps", "3", "--ahead",
-                      "--out", str(tmp_path)])
+                      "--depths", "1,2", "--slot-layers", "1,2", "--rounds", "2", "--steps", "3",
+                      "--ahead", "--out", str(tmp_path)])
     (path,) = tmp_path.glob("kv-pipeline-*.json")
     (point,) = json.loads(path.read_text())["points"]
     assert point["identical_tokens"]
     arms = point["arms"]
-    names = ["device", "ordered", "depth 1", "depth 2"]
+    names = ["device", "ordered", "depth 1", "depth 1 x2", "depth 2", "depth 2 x2"]
     assert list(arms) == names + [f"ahead {name}" for name in names]
     assert point["ahead_ceiling_s"] > 0
-    for name in ("depth 1", "depth 2", "ahead depth 1", "ahead depth 2"):
-        ring = arms[name]
-        assert ring["ring_steps"] == 12 and ring["primed_steps"] == 11  # all but the first
+    for prefix in ("", "ahead "):
+        for name in ("depth 1", "depth 2", "depth 1 x2"):
+            ring = arms[prefix + name]
+            assert ring["ring_steps"] == 12 and ring["primed_steps"] == 11  # all but the first
+        # 4 layers in slots of 2 are 2 groups, both delivered at the start of every step
+        assert arms[prefix + "depth 2 x2"]["ring_slots"] == 2
+        assert arms[prefix + "depth 2 x2"]["primed_steps"] == 0
     for arm in arms.values():
         q = arm["step_quantiles_s"]
         assert 0 < q["p50"] <= q["p90"] <= q["p99"]

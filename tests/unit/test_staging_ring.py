@@ -28,14 +28,14 @@ LAYERS = 5
 def pools(depth: int, exact: bool = False, delay_ms: float = 0.0, bridge: int | None = None,
           n_pages: int = 64, shape: tuple[int, int, int, int] = (LAYERS, P, KVH, D),
           budget_mib: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
-          transport=None) -> tuple[KVPool, HostKVPool]:
+          transport=None, slot_layers: int = 1) -> tuple[KVPool, HostKVPool]:
     """A device pool and a host pool of the same shape; the host one on the CPU transport with
     `delay_ms` unless given another."""
     layers, page, kvh, d = shape
     extra = {} if bridge is None else {"bridge_bytes": bridge}
     on_device = KVPool(layers, n_pages, page, kvh, d, dtype, device, exact=exact)
     host = HostKVPool(layers, n_pages, page, kvh, d, dtype, device, exact=exact, depth=depth,
-                      ring_budget_mib=budget_mib,
+                      ring_budget_mib=budget_mib, slot_layers=slot_layers,
                       transport=transport or CpuTransport(delay_ms), **extra)
     return on_device, host
 
@@ -95,15 +95,16 @@ def test_pack_makes_one_run_per_contiguous_range_and_bridges_small_gaps():
     assert pack([4]) == [(4, 1, 0)]
 
 
+@pytest.mark.parametrize("slot_layers", [1, 2])
 @pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("depth", [0, 1, 2, 4])
-def test_host_pool_matches_device_pool_bit_for_bit_with_delayed_copies(depth, exact):
+def test_host_pool_matches_device_pool_bit_for_bit_with_delayed_copies(depth, exact, slot_layers):
     # bridge 0: a copy per run, every one of them delayed
-    device, host = pools(depth, exact, delay_ms=1.0, bridge=0)
+    device, host = pools(depth, exact, delay_ms=1.0, bridge=0, slot_layers=slot_layers)
     tables, steps = random_schedule(random.Random(depth), device.n_pages)
     assert_same_run(device, host, tables, steps)
     assert host.ring.stats.ring_steps == (len(steps) if depth else 0)
-    assert (host.ring.stats.primed_steps > 0) == (0 < depth < LAYERS)
+    assert (host.ring.stats.primed_steps > 0) == (0 < depth < host.ring.n_groups)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -168,7 +169,7 @@ class CheckedTransport(CpuTransport):
     def primed_unread(self) -> bool:
         """Whether fills made by the last primes (used or discarded) may still be unread: until
         a step's first n_slots layers are read, every slot has been filled again since."""
-        return self.reads % LAYERS < self.ring.n_slots
+        return self.reads % self.ring.n_groups < self.ring.n_slots
 
     def wait(self, ev):
         s = self._slot(ev, "ready")
@@ -196,22 +197,25 @@ class CheckedTransport(CpuTransport):
         super().synchronize()
 
 
+@pytest.mark.parametrize("slot_layers", [1, 2, 3])
 @pytest.mark.parametrize("depth", [1, 2, 4, 8])
-def test_slots_are_recycled_stream_to_stream_only_after_release(depth):
+def test_slots_are_recycled_stream_to_stream_only_after_release(depth, slot_layers):
+    """Also with slots of several layers: a group is delivered, waited for and released as one."""
     transport = CheckedTransport(delay_ms=0.5)
     host = HostKVPool(LAYERS, 64, P, KVH, D, torch.float32, "cpu", depth=depth,
-                      transport=transport, bridge_bytes=0)
+                      transport=transport, bridge_bytes=0, slot_layers=slot_layers)
     transport.start(host.ring)
     device = KVPool(LAYERS, 64, P, KVH, D, torch.float32, "cpu")
     tables, steps = random_schedule(random.Random(depth), 64)
     assert_same_run(device, host, tables, steps)
-    assert host.ring.n_slots == min(depth + 2, LAYERS)
-    assert transport.reads == LAYERS * len(steps)
+    groups = -(-LAYERS // slot_layers)
+    assert host.ring.n_groups == groups and host.ring.n_slots == min(depth + 2, groups)
+    assert transport.reads == groups * len(steps)
     # the host blocks once a step, for the write-back, never for a slot; it drains every side
     # only around a new buffer: before giving the old one back, and once the new one is zeroed
     assert transport.host_waits == len(steps)
     assert transport.syncs == 2 * host.ring.stats.reallocations - 1
-    assert (host.ring.stats.primed_steps > 0) == (depth < LAYERS)
+    assert (host.ring.stats.primed_steps > 0) == (depth < groups)
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -286,6 +290,19 @@ def test_decode_steps_stay_primed_when_a_sequence_takes_a_new_page_after_the_win
     assert_same_run(device, host, tables, steps)
     assert host.ring.stats.reallocations == 1
     assert host.ring.stats.primed_steps == primed
+
+
+def test_a_layers_window_keeps_its_place_in_a_slot_of_several_when_the_window_grows():
+    """Slots of two layers: the second layer's window starts at the slot's stride shared out,
+    not at the window's size, so a step that adds a page after the window reads what the last
+    step primed where it was put."""
+    device, host = pools(depth=2, delay_ms=1.0, bridge=0, slot_layers=2)
+    tables = {0: [3, 4, 30], 1: [10, 11]}
+    # a window of 4 pages (room for 5 in the buffer); sequence 0 takes page 30 at position 8
+    steps = [[(0, 0, 6), (1, 0, 5)]] + [[(0, 6 + i, 1), (1, 5 + i, 1)] for i in range(3)]
+    assert_same_run(device, host, tables, steps)
+    assert host.ring.stats.reallocations == 1
+    assert host.ring.stats.primed_steps == 2  # the last of them on the grown window
 
 
 def test_primed_bytes_are_dropped_when_sequences_move_within_the_same_pages():
