@@ -24,6 +24,10 @@ them), so neither a prime nor an own delivery waits on the host for them.
 Everything the compute side does to a slot follows a wait on a delivery queued after any prime
 still landing, except on the ordered path, which drains the primes first.
 
+A slot may hold a group of consecutive layers (`group`, 1 by default): the above with groups for
+layers, each layer's window at its place in the slot (`layer_stride`); the compute side waits at
+a group's first layer and releases after its last, so a captured step needs a graph a group.
+
 Ordered path (depth 0, or a declined step): copy then attend, one slot, on the compute side.
 A step declines when its ring would pass the budget or its device lacks headroom for it, for
 that step only: the decision is remade every step and costs a few integer comparisons.
