@@ -278,7 +278,7 @@ class StepGraph:
         """Piece 0's function, then one running `size` layers' each."""
         fns = self.fns
 
-        def run(group: list[Callable[[], None]]) -> Callable[[], None]:
+        def joined(group: list[Callable[[], None]]) -> Callable[[], None]:
             if len(group) == 1:
                 return group[0]
 
@@ -286,7 +286,7 @@ class StepGraph:
                 for fn in group:
                     fn()
             return piece
-        return [fns[0], *(run(fns[1 + a:1 + a + size]) for a in range(0, len(fns) - 1, size))]
+        return [fns[0], *(joined(fns[1 + a:1 + a + size]) for a in range(0, len(fns) - 1, size))]
 
     def release(self) -> None:
         """Free the captured graphs now: the closures above make this object a reference cycle,
