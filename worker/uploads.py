@@ -16,14 +16,11 @@ last has run (an event, normally long complete).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
 from . import cuda_driver
-
-log = logging.getLogger("siding.worker")
 
 SLOTS = 8  # uploads in flight before the host waits for the oldest: two or three steps' worth
 MIN_ELEMENTS = 1 << 10
