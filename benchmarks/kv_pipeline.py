@@ -14,8 +14,9 @@ the same run, per context:
 - ceiling: max(copy, compute), the best a pipelined step can do (ordered pays copy + compute);
 - link: one large pinned host -> device copy.
 
-`--slot-layers 1,4` adds an arm per depth whose ring slots hold 4 layers each ("depth N x4"): a
-captured step launches a graph per slot's layers rather than per layer.
+The ring's slots hold up to 4 layers each by default (a captured step launches a graph per
+slot's layers rather than per layer); `--slot-layers 1,2` adds an arm per depth and value whose
+slots hold at most that many ("depth N x1", "depth N x2").
 
 With `--ahead`, every arm also runs overlapped ("ahead device", "ahead ordered", "ahead depth
 N"): each step is enqueued on the last step's greedy token while that is still on the device, and
@@ -175,9 +176,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768" if cuda
                    else "256,1024,2048", help="context lengths, comma-separated")
     p.add_argument("--depths", default="1,2,4", help="pipelined depths, comma-separated")
-    p.add_argument("--slot-layers", default="1",
-                   help="layers a ring slot holds, comma-separated: each value past 1 adds an arm "
-                   "per depth, named 'depth N xG' (a graph a slot's layers instead of a layer's)")
+    p.add_argument("--slot-layers", default="",
+                   help="the most layers a ring slot holds, comma-separated: each value adds an "
+                   "arm per depth, named 'depth N xG', beside the default slots")
     p.add_argument("--steps", type=int, default=16, help="decode steps per arm per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=4, help="decode steps per arm before timing")
@@ -196,9 +197,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.contexts = [int(x) for x in a.contexts.split(",")]
     a.depths = [int(x) for x in a.depths.split(",")]
-    a.slot_layers = [int(x) for x in a.slot_layers.split(",")]
-    if (min(a.contexts) < 1 or min(a.depths) < 1 or min(a.slot_layers) < 1 or a.steps < 1
-            or a.rounds < 1):
+    a.slot_layers = [int(x) for x in a.slot_layers.split(",") if x]
+    if (min(a.contexts) < 1 or min(a.depths) < 1 or min(a.slot_layers, default=1) < 1
+            or a.steps < 1 or a.rounds < 1):
         p.error("contexts, depths, --slot-layers, --steps and --rounds must be positive")
     return a
 
@@ -213,8 +214,9 @@ def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
     pools: dict[str, KVPool | HostKVPool] = {}
     for prefix in ("", "ahead ") if a.ahead else ("",):
         pools[prefix + "device"] = KVPool(*shape, dtype, device)
-        for depth, group in [(0, 1), *((d, g) for d in a.depths for g in a.slot_layers)]:
-            name = f"depth {depth}" + (f" x{group}" if group > 1 else "") if depth else "ordered"
+        for depth, group in [(0, None), *((d, g) for d in a.depths
+                                          for g in [None, *a.slot_layers])]:
+            name = f"depth {depth}" + (f" x{group}" if group else "") if depth else "ordered"
             pools[prefix + name] = HostKVPool(*shape, dtype, device, depth=depth,
                                               ring_budget_mib=a.ring_budget_mib,
                                               slot_layers=group)
@@ -312,6 +314,7 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread,
             s = ring.stats
             copies = sum(s.copies[p] for p in ("ahead", "ordered"))
             rec.update(ring_bytes=ring.capacity * ring.page_bytes, ring_slots=ring.n_slots,
+                       slot_layers=ring.group,
                        declines=dict(s.declines), ring_steps=s.ring_steps,
                        ordered_steps=s.ordered_steps, primed_steps=s.primed_steps,
                        bytes_per_copy=sum(s.bytes[p] for p in ("ahead", "ordered")) / copies,
@@ -345,12 +348,12 @@ def profile(arm: Arm, steps: int, device: torch.device, stem: str) -> None:
 
 def table(points: list[dict[str, Any]], link: Spread) -> str:
     headers = ["context", "arm", "ms/step", "tok/s", "x ordered", "of ceiling", "eff GB/s",
-               "of link", "MiB/copy", "ring MiB", "declines", "primed", "wait ms"]
+               "of link", "MiB/copy", "ring MiB", "layers/slot", "declines", "primed", "wait ms"]
     rows = []
     for p in points:
         rows.append([p["context"], "copy alone", p["copy_s"].text(1e3, 2), "", "", "",
                      f"{p['copy_bytes_per_s'] / 1e9:.1f}", f"{p['copy_of_link']:.2f}", "", "",
-                     "", "", ""])
+                     "", "", "", ""])
         for name, r in p["arms"].items():
             ring = "ring_bytes" in r
             rows.append([
@@ -360,6 +363,7 @@ def table(points: list[dict[str, Any]], link: Spread) -> str:
                 f"{r['effective_bytes_per_s'] / link.median:.2f}",
                 f"{r['bytes_per_copy'] / 2**20:.2f}" if ring else "",
                 f"{r['ring_bytes'] / 2**20:.0f}" if ring else "",
+                r["slot_layers"] if ring else "",
                 sum(r["declines"].values()) if ring else "",
                 f"{r['primed_steps'] / (r['ring_steps'] + r['ordered_steps']):.2f}"
                 if ring else "",

@@ -26,8 +26,10 @@ between pieces: before layer l's piece waits for its slot to be delivered, after
 the slot's release and issues the next delivery, events a captured graph cannot wait on across
 steps. A ring whose slots hold several layers (`piece_layers`) has a piece per slot's layers,
 the hooks run for each of them around it: fewer launches, each of which costs microseconds of
-host and device time, more while the link is busy (docs/kv-pipelining.md). A pool's buffers
-are captured by address: when a ring reallocates its buffer, the graphs are captured again.
+host and device time, more while the link is busy (docs/kv-pipelining.md). The ring chooses the
+slot size each step, so graphs are kept per (row bucket, split bucket, slot size). A pool's
+buffers are captured by address: when a ring reallocates its buffer, the graphs are captured
+again.
 
 The pieces run the same modules as the eager path (`Block.before_attention` /
 `after_attention`) and the same attention kernel, so a device pool and a host pool, one worker
@@ -80,7 +82,8 @@ class GraphPool(Protocol):
     scale: float
     attention: Callable[..., torch.Tensor]
     hooks: bool  # whether the layers' enter/leave do anything (else one graph a step)
-    # with hooks: layers a piece holds, the hooks run around it for each (a ring slot's layers)
+    # with hooks: layers a piece holds this step, the hooks run around it for each (a ring
+    # slot's layers)
     piece_layers: int
     carries: bool  # whether a step may carry the last step's rows (`carried`)
     # this step's carried rows [L, 2, T, KVH, D], with their pages (before the base) and
@@ -319,13 +322,14 @@ class DecodeGraphs:
             raise ValueError("CUDA graphs capture the Triton paged attention, which needs "
                              f"Triton and a power-of-two head size (not {head_dim})")
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.graphs: dict[tuple[int, int], StepGraph] = {}  # (rows, splits) -> graph
+        # (rows, splits, layers a piece holds: 0 for one graph a step) -> graph
+        self.graphs: dict[tuple[int, int, int], StepGraph] = {}
         self._key: Any = None  # the pool's graph_key the graphs were captured against
 
     @property
     def buckets(self) -> set[int]:
         """The row buckets built so far."""
-        return {rows for rows, _ in self.graphs}
+        return {rows for rows, _, _ in self.graphs}
 
     @staticmethod
     def bucket_rows(n: int) -> int | None:
@@ -342,8 +346,8 @@ class DecodeGraphs:
         while rows <= top:
             splits = 1
             while splits <= PREPARED_SPLITS:
-                if (rows, splits) not in self.graphs:
-                    self._build(rows, splits)
+                if (rows, splits, self._piece_layers()) not in self.graphs:
+                    self._build(rows, splits, self._piece_layers())
                 splits *= 2
             rows *= 2
 
@@ -352,7 +356,8 @@ class DecodeGraphs:
         the caller checks `bucket_rows` first."""
         n = meta.n_seqs
         self._current()
-        key = (self.bucket_rows(n), splits_bucket(max(meta.context_lens)))
+        size = self._piece_layers()  # a ring's slot size may change from step to step
+        key = (self.bucket_rows(n), splits_bucket(max(meta.context_lens)), size)
         g = self.graphs.get(key) or self._build(*key)
         g.buffers.fill(meta)
         g.inputs[:n].copy_(inputs)
@@ -361,7 +366,7 @@ class DecodeGraphs:
                 piece()
         else:
             g.pieces[0]()
-            layers, size = self.kv.layers, self.kv.piece_layers
+            layers = self.kv.layers
             for j, piece in enumerate(g.pieces[1:]):
                 group = range(j * size, min((j + 1) * size, len(layers)))
                 for i in group:
@@ -384,19 +389,23 @@ class DecodeGraphs:
             self._key = key
         return key is not None
 
-    def _build(self, rows: int, splits: int) -> StepGraph:
+    def _piece_layers(self) -> int:
+        """Layers a piece holds this step; 0: the step is one graph (a pool without hooks)."""
+        return self.kv.piece_layers if self.kv.hooks else 0
+
+    def _build(self, rows: int, splits: int, size: int) -> StepGraph:
         g = StepGraph(self.stage, self.kv, rows, splits, self.device, self.dtype, self.capture)
         if not self.capture:
-            g.pieces = g.fns if not self.kv.hooks else g.pieces_of(self.kv.piece_layers)
+            g.pieces = g.pieces_of(size) if size else g.fns
         else:
             t0 = time.perf_counter()
-            g.pieces = self._capture(g)
+            g.pieces = self._capture(g, size)
             log.info("captured decode graphs for %d rows, %d splits (%d pieces) in %.2fs", rows,
                      splits, len(g.pieces), time.perf_counter() - t0)
-        self.graphs[rows, splits] = g
+        self.graphs[rows, splits, size] = g
         return g
 
-    def _capture(self, g: StepGraph) -> list[Callable[[], None]]:
+    def _capture(self, g: StepGraph, size: int) -> list[Callable[[], None]]:
         # Warm-up on a side stream, as torch.cuda.graphs asks: cuBLAS workspaces, Triton
         # compilation and the allocator's first blocks all happen outside the capture. The
         # buffers hold a step without rows, which writes only the spare page.
@@ -404,11 +413,11 @@ class DecodeGraphs:
         gc.collect()  # and no collection during the capture: see StepGraph.release
         gc.disable()
         try:
-            return self._capture_pieces(g)
+            return self._capture_pieces(g, size)
         finally:
             gc.enable()
 
-    def _capture_pieces(self, g: StepGraph) -> list[Callable[[], None]]:
+    def _capture_pieces(self, g: StepGraph, size: int) -> list[Callable[[], None]]:
         stream = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(stream)
@@ -416,7 +425,7 @@ class DecodeGraphs:
             for fn in g.fns:
                 fn()
         stream.wait_stream(side)
-        fns = g.pieces_of(self.kv.piece_layers) if self.kv.hooks else [g.run]
+        fns = g.pieces_of(size) if size else [g.run]
         pieces = []
         for fn in fns:
             graph = torch.cuda.CUDAGraph()

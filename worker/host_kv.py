@@ -86,10 +86,11 @@ class HostKVPool:
         dtype: torch.dtype, device: torch.device | str, exact: bool = False, depth: int = 1,
         ring_budget_mib: int = 0, metrics: WorkerMetrics | None = None,
         transport: Transport | None = None, bridge_bytes: int = BRIDGE_BYTES,
-        slot_layers: int = 1,
+        slot_layers: int | None = None,
     ):
         """ring_budget_mib 0: no cap. transport None: the device's own (`make_transport`).
-        slot_layers: layers a ring slot holds (`StagingRing`'s group)."""
+        slot_layers: the most layers a ring slot holds (`StagingRing`'s group; None: its
+        default)."""
         self.device = torch.device(device)
         shape = (n_layers, n_pages, 2, page_size, n_kv_heads, head_dim)
         self.kv = host_zeros(shape, dtype, pin=self.device.type == "cuda")

@@ -24,9 +24,13 @@ them), so neither a prime nor an own delivery waits on the host for them.
 Everything the compute side does to a slot follows a wait on a delivery queued after any prime
 still landing, except on the ordered path, which drains the primes first.
 
-A slot may hold a group of consecutive layers (`group`, 1 by default): the above with groups for
-layers, each layer's window at its place in the slot (`layer_stride`); the compute side waits at
-a group's first layer and releases after its last, so a captured step needs a graph a group.
+A slot may hold a group of consecutive layers: the above with groups for layers, each layer's
+window at its place in the slot (`layer_stride`); the compute side waits at a group's first layer
+and releases after its last, so a captured step needs a graph a group, not a layer. Each step
+takes the largest group up to `max_group` whose ring fits (SLOT_LAYERS by default, fewer where
+that would leave less than depth + 2 slots); a smaller one before declining. When the slots move
+(a new group, or the step before took the ordered path), the first deliveries wait for all the
+compute enqueued before the step: every release event is recorded again at its start.
 
 Ordered path (depth 0, or a declined step): copy then attend, one slot, on the compute side.
 A step declines when its ring would pass the budget or its device lacks headroom for it, for
@@ -48,6 +52,10 @@ HEADROOM_BYTES = 512 << 20  # device memory a ring must leave free for everythin
 # link a copy costs about as much as 256 KiB of bytes, so bridging is cheaper than splitting.
 BRIDGE_BYTES = 256 << 10
 SHRINK = 4  # give memory back once the buffer is this many times what the ring needs
+# Layers a slot holds by default: a captured step launches 1 + ceil(L / 4) graphs rather than
+# 1 + L, and each launch costs more while the link is busy (docs/kv-pipelining.md, "Slots of
+# several layers").
+SLOT_LAYERS = 4
 
 Run = tuple[int, int, int]  # (host start page, page count, slot offset)
 
@@ -104,11 +112,11 @@ class StagingRing:
     def __init__(
         self, host: torch.Tensor, transport: Transport | None, device: torch.device | str,
         depth: int, budget_bytes: int = 0, free_bytes: Callable[[], int] | None = None,
-        metrics: WorkerMetrics | None = None, group: int = 1,
+        metrics: WorkerMetrics | None = None, group: int | None = None,
     ):
         """host: [L, n_pages, 2, page, KVH, D]; budget_bytes 0: no cap; free_bytes: the
-        device's free memory (None: not checked); group: layers a slot holds (on the ring path;
-        the ordered path takes one layer at a time)."""
+        device's free memory (None: not checked); group: the most layers a slot holds (None:
+        SLOT_LAYERS, or fewer to keep depth + 2 slots; the ordered path takes one at a time)."""
         self.host = host
         self.transport = transport
         self.device = torch.device(device)
@@ -117,10 +125,14 @@ class StagingRing:
         self.depth = depth
         # A slot holds `group` consecutive layers' windows, delivered together, waited for at the
         # group's first layer and released after its last: a captured step launches a graph a
-        # group, not a layer (docs/kv-pipelining.md). depth and n_slots count groups.
-        self.group = max(1, min(group, self.n_layers)) if depth else 1
-        self.n_groups = -(-self.n_layers // self.group)
-        self.n_slots = min(depth + 2, self.n_groups)
+        # group, not a layer. depth and n_slots count groups; the group is chosen every step.
+        if not depth:
+            self.max_group = 1
+        elif group:
+            self.max_group = max(1, min(group, self.n_layers))
+        else:
+            self.max_group = max(1, min(SLOT_LAYERS, self.n_layers // (depth + 2)))
+        self._shape(1)
         self.budget = budget_bytes
         self.free_bytes = free_bytes
         self.metrics = metrics
@@ -128,11 +140,13 @@ class StagingRing:
         # [capacity + 1, 2, page, KVH, D]; the last page is no slot's (spare_page)
         self.buf: torch.Tensor | None = None
         events = depth > 0 and transport is not None
-        self.ready = [transport.event() for _ in range(self.n_slots)] if events else []
-        self.release = [transport.event() for _ in range(self.n_slots)] if events else []
+        self.ready = [transport.event() for _ in range(depth + 2)] if events else []
+        self.release = [transport.event() for _ in range(depth + 2)] if events else []
         self.ahead = False
+        self.laid_out: tuple[bool, int] | None = None  # the last step's (ahead, group)
         self.prime_next = False
-        self.primed: list[Run] | None = None  # the window the next step's first layers hold
+        # the window the next step's first layers hold, and the group they were delivered in
+        self.primed: tuple[list[Run], int] | None = None
         # Slots are numbered across steps (group g of a step takes slot (base + g) % n_slots), so
         # a group primed for the next step follows the same ring order as any other delivery.
         self.base = 0
@@ -141,7 +155,8 @@ class StagingRing:
         self.runs: list[Run] = []
         self.n = 0
         self.slots: list[torch.Tensor] = []
-        self._cut: tuple[int, int, int] | None = None  # (buffer, n, slots) self.slots were cut for
+        # (buffer, n, slots, group) self.slots were cut for
+        self._cut: tuple[int, int, int, int] | None = None
         # (group, slot) -> the (dst, src) pairs of its delivery, for this step's runs and slots
         self._pairs: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
@@ -189,30 +204,38 @@ class StagingRing:
         writes them). prime_next: let `prime` deliver the next step's first layers for this
         window."""
         in_flight = self.primed is not None  # primes may still be landing
-        primed = reuse and in_flight and keeps_places(self.primed, runs)
+        primed = reuse and in_flight and keeps_places(self.primed[0], runs)
+        primed_group = self.primed[1] if in_flight else 0
         self.primed = None
         self._windows = 0
         if runs != self.runs:
             self._pairs = {}
         self.runs = runs
         self.n = n = runs[-1][1] + runs[-1][2]
-        self.ahead = self._take_ring()
+        group = self._take_ring()
+        self.ahead = group > 0
+        self._shape(group or 1)
         if in_flight and not self.ahead:
             # the ordered path writes its slot on the compute side, without waiting for events
             self.transport.synchronize()
         slots = self.n_slots if self.ahead else 1
         moved = self.stats.reallocations
         self._fit(n * self.group * slots)
-        primed = primed and self.ahead and moved == self.stats.reallocations
-        if self._cut != (self.buf.data_ptr(), n, slots):  # slicing is host time before the step
-            self._cut = (self.buf.data_ptr(), n, slots)
+        primed = (primed and self.ahead and primed_group == self.group
+                  and moved == self.stats.reallocations)
+        cut = (self.buf.data_ptr(), n, slots, self.group)
+        if self._cut != cut:  # slicing is host time before the step
+            self._cut = cut
             stride, size = self.stride, (self.group - 1) * self.layer_stride + n
             self.slots = [self.buf[i * stride:i * stride + size] for i in range(slots)]
             self._pairs = {}
         self.prime_next = prime_next and self.ahead and self.depth < self.n_groups
+        laid_out, self.laid_out = self.laid_out, (self.ahead, self.group)
         if not self.ahead:
             self.stats.ordered_steps += 1
             return
+        if laid_out != self.laid_out:
+            self._fence()
         self.stats.ring_steps += 1
         self.stats.primed_steps += primed
         first = self.n_slots if primed else 0  # only a depth below n_groups is ever primed
@@ -259,7 +282,7 @@ class StagingRing:
             return
         for m in range(self.n_groups, self.n_groups + self.n_slots):
             self._deliver(m)
-        self.primed = self.runs
+        self.primed = (self.runs, self.group)
 
     def end_step(self) -> None:
         path = "ahead" if self.ahead else "ordered"
@@ -306,24 +329,46 @@ class StagingRing:
         self._windows += len(layers)
         self.transport.copy(pairs, after=(self.release[s],), then=self.ready[s])
 
-    def _take_ring(self) -> bool:
+    def _shape(self, group: int) -> None:
+        self.group = group
+        self.n_groups = -(-self.n_layers // group)
+        self.n_slots = min(self.depth + 2, self.n_groups)
+
+    def _fence(self) -> None:
+        """The slots moved since the last ring step: record every release again, after all the
+        compute enqueued so far (the readers of whatever each slot now overlaps)."""
+        for ev in self.release:
+            self.transport.record(ev)
+
+    def _take_ring(self) -> int:
+        """The layers a slot holds this step, the most whose ring fits; 0: the ordered path."""
         if self.depth == 0:
-            return False
+            return 0
         if self.transport is None:
             return self._decline("unsupported")
-        need = self.n_slots * self.group * self.n * self.page_bytes
+        group = self.max_group
+        while reason := self._misfit(group):
+            if group == 1:
+                return self._decline(reason)
+            group //= 2
+        return group
+
+    def _misfit(self, group: int) -> str | None:
+        """Why a ring of slots of `group` layers would not fit this step, or None."""
+        slots = min(self.depth + 2, -(-self.n_layers // group))
+        need = slots * group * self.n * self.page_bytes
         if self.budget and need > self.budget:
-            return self._decline("budget")
+            return "budget"
         grow = need - self.capacity * self.page_bytes
         if grow > 0 and self.free_bytes is not None and self.free_bytes() - grow < HEADROOM_BYTES:
-            return self._decline("headroom")
-        return True
+            return "headroom"
+        return None
 
-    def _decline(self, reason: str) -> bool:
+    def _decline(self, reason: str) -> int:
         self.stats.declines[reason] += 1
         if self.metrics is not None:
             self.metrics.decline(reason)
-        return False
+        return 0
 
     def _fit(self, need: int) -> None:
         """Make the buffer hold `need` pages. It grows to a power of two (within the budget and

@@ -73,7 +73,7 @@ def run(runner: ModelRunner, prompts: dict[int, int] = PROMPTS
 
 def runner(exact: bool, kv: str = "device", graphs: bool = True, device: str = "cpu",
            dtype: torch.dtype = torch.float32, n_pages: int = 64, depth: int = 1,
-           slot_layers: int = 1) -> ModelRunner:
+           slot_layers: int | None = 1) -> ModelRunner:
     """On a CUDA device the pieces are captured graphs and the host pool's copies go on a
     transfer stream; on the CPU the pieces run eagerly and copies go through the copy thread."""
     source = SyntheticSource("tiny")
@@ -118,6 +118,21 @@ def test_host_kv_through_the_pieces_matches_device_kv_bit_for_bit(exact, depth, 
     assert (ring.stats.primed_steps > 0) == (depth < ring.n_groups)
     graph = next(iter(host_runner.graphs.graphs.values()))
     assert len(graph.pieces) == 1 + ring.n_groups
+
+
+def test_steps_whose_ring_takes_smaller_slots_use_pieces_of_that_size_bit_for_bit():
+    """A budget that fits slots of 2 layers (2 of them: 4 windows) for the small batches and only
+    slots of 1 (3 windows) for the large ones: the pieces are kept per slot size."""
+    host_runner = runner(True, kv="host", slot_layers=2)
+    ring = host_runner.pool.ring
+    ring.budget = 66 * ring.page_bytes  # the 5-sequence window is 22 pages
+    on_device, host = run(runner(True)), run(host_runner)
+    for (h1, t1), (h2, t2) in zip(on_device, host, strict=True):
+        assert torch.equal(h1, h2) and t1 == t2
+    graphs = host_runner.graphs.graphs
+    assert {size for _, _, size in graphs} == {1, 2}
+    assert all(len(g.pieces) == 1 + 4 // size for (_, _, size), g in graphs.items())
+    assert sum(ring.stats.declines.values()) == 0
 
 
 def test_only_decode_steps_that_fit_a_bucket_use_the_pieces():

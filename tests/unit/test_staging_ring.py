@@ -28,7 +28,7 @@ LAYERS = 5
 def pools(depth: int, exact: bool = False, delay_ms: float = 0.0, bridge: int | None = None,
           n_pages: int = 64, shape: tuple[int, int, int, int] = (LAYERS, P, KVH, D),
           budget_mib: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
-          transport=None, slot_layers: int = 1) -> tuple[KVPool, HostKVPool]:
+          transport=None, slot_layers: int | None = 1) -> tuple[KVPool, HostKVPool]:
     """A device pool and a host pool of the same shape; the host one on the CPU transport with
     `delay_ms` unless given another."""
     layers, page, kvh, d = shape
@@ -129,7 +129,8 @@ class CheckedTransport(CpuTransport):
     -> filled ...: a fill waits for the slot's release event and needs every read of the slot
     released (a fill nobody read, a discarded prime, may be filled over); a read needs a fill;
     while a step's own deliveries run, no more than `depth` fills are unread; a step's primes
-    for the next fill every slot."""
+    for the next fill every slot. A fence (the slots moved: every release recorded again after
+    all the compute so far) releases every slot."""
 
     def __init__(self, delay_ms: float = 0.0):
         super().__init__(delay_ms)
@@ -143,16 +144,29 @@ class CheckedTransport(CpuTransport):
 
     def start(self, ring) -> None:
         self.ring = ring
-        self.state = ["released"] * ring.n_slots
+        self.state = ["released"] * len(ring.release)
         self.reads = 0
-        prime = ring.prime
+        self.fences = 0
+        prime, fence, acquire = ring.prime, ring._fence, ring.acquire
 
         def priming():
             self.priming = True
             prime()
             self.priming = False
-        self.priming = False
-        ring.prime = priming
+
+        def fencing():
+            self.fencing = True
+            fence()
+            self.fencing = False
+            self.state = ["released"] * len(ring.release)
+            self.reads = 0  # the step's first read is a group's first again
+            self.fences += 1
+        def acquiring(layer):
+            if not ring.ahead:  # the compute side copies into the buffer, where the slots lie
+                self.state = ["read"] * len(ring.release)
+            return acquire(layer)
+        self.priming = self.fencing = False
+        ring.prime, ring._fence, ring.acquire = priming, fencing, acquiring
 
     def copy(self, pairs, after=(), then=None):
         (release,) = after
@@ -182,7 +196,7 @@ class CheckedTransport(CpuTransport):
 
     def record(self, ev):
         s = self._slot(ev, "release")
-        if s is not None:
+        if s is not None and not self.fencing:
             assert self.state[s] == "read", f"slot {s} released before it was read"
             self.state[s] = "released"
         super().record(ev)
@@ -335,6 +349,42 @@ def test_a_step_over_the_budget_declines_and_a_later_small_step_takes_the_ring_a
     assert stats.ordered_steps == 2
     assert_same_run(device, host, small, [[(0, 20, 1)], [(0, 21, 1)]])
     assert stats.ring_steps == 3 and stats.declines["budget"] == 2
+
+
+def test_a_step_takes_the_largest_slots_whose_ring_fits_before_it_declines():
+    """Slots of up to 4 layers of 8 (16 KiB a page and layer, a 1 MiB budget, depth 1): 2 slots
+    of 4 layers fit a window of 8 pages, 3 of 2 layers 10, 3 of 1 layer 21. Each change of
+    layout fences the slots (every release recorded again after the compute so far): without
+    it the checker sees a delivery into a slot the ordered step's compute side still reads."""
+    transport = CheckedTransport(delay_ms=1.0)
+    device, host = pools(depth=1, shape=(8, 16, 2, 64), n_pages=96, budget_mib=1, bridge=0,
+                         transport=transport, slot_layers=4)
+    ring, begin = host.ring, host.ring.begin_step
+    transport.start(ring)
+    layouts = []
+
+    def logged_begin(*args, **kwargs):
+        begin(*args, **kwargs)
+        layouts.append(ring.group if ring.ahead else 0)
+
+    ring.begin_step = logged_begin
+    for pages in (6, 10, 15, 30, 6, 15):
+        tables = {0: list(range(40, 40 + pages))}
+        assert_same_run(device, host, tables, [[(0, 0, 16 * pages - 8)], [(0, 16 * pages - 8, 1)]])
+    assert layouts == [4, 4, 2, 2, 1, 1, 0, 0, 4, 4, 1, 1]
+    assert ring.stats.declines["budget"] == 2
+    assert transport.fences == 5  # each ring step after a change of layout
+
+
+def test_the_default_slots_hold_up_to_four_layers_and_leave_depth_plus_two_slots():
+    def ring(layers: int, depth: int, slot_layers: int | None = None):
+        _, host = pools(depth, shape=(layers, P, KVH, D), slot_layers=slot_layers)
+        return host.ring.max_group
+
+    assert ring(16, 1) == 4 and ring(30, 1) == 4  # llama-1b, smollm2-135m
+    assert ring(16, 4) == 2 and ring(8, 1) == 2 and ring(5, 1) == 1
+    assert ring(16, 0) == 1  # the ordered path takes a layer at a time
+    assert ring(5, 1, slot_layers=3) == 3 and ring(5, 1, slot_layers=9) == 5
 
 
 def test_a_step_declined_right_after_priming_lets_the_primes_land_first():
