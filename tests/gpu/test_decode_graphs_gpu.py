@@ -41,6 +41,17 @@ def test_captured_graphs_with_host_kv_match_device_kv_bit_for_bit(exact, slot_la
         assert torch.equal(h1, h2) and t1 == t2
 
 
+def test_captured_graphs_of_each_slot_size_a_budget_makes_the_ring_take_match_bit_for_bit():
+    """As the CPU test: slots of 2 layers for the small batches, of 1 for the large ones."""
+    host_runner = runner(True, kv="host", device=DEV, dtype=DT, slot_layers=2)
+    ring = host_runner.pool.ring
+    ring.budget = 66 * ring.page_bytes  # the 5-sequence window is 22 pages
+    on_device, host = run(runner(True, device=DEV, dtype=DT)), run(host_runner)
+    for (h1, t1), (h2, t2) in zip(on_device, host, strict=True):
+        assert torch.equal(h1, h2) and t1 == t2
+    assert {size for _, _, size in host_runner.graphs.graphs} == {1, 2}
+
+
 def test_captured_graphs_keep_the_default_mode_tokens():
     eager = run(runner(False, graphs=False, device=DEV, dtype=DT))
     graphed = run(runner(False, device=DEV, dtype=DT))
@@ -56,7 +67,7 @@ def test_captured_graphs_over_several_splits_match_the_eager_forward_bit_for_bit
     eager = run(runner(True, graphs=False, device=DEV, dtype=DT, n_pages=n), LONG)
     r = runner(True, kv=kv, device=DEV, dtype=DT, n_pages=n)
     graphed = run(r, LONG)
-    assert {splits for _, splits in r.graphs.graphs} == {2, 4}
+    assert {splits for _, splits, _ in r.graphs.graphs} == {2, 4}
     for (h1, t1), (h2, t2) in zip(eager, graphed, strict=True):
         assert torch.equal(h1, h2) and t1 == t2
 
