@@ -332,7 +332,11 @@ class StagingRing:
     def _shape(self, group: int) -> None:
         self.group = group
         self.n_groups = -(-self.n_layers // group)
-        self.n_slots = min(self.depth + 2, self.n_groups)
+        self.n_slots = self._slots(group)
+
+    def _slots(self, group: int) -> int:
+        """Slots of a ring whose slots hold `group` layers: depth + 2, or one per group."""
+        return min(self.depth + 2, -(-self.n_layers // group))
 
     def _fence(self) -> None:
         """The slots moved since the last ring step: record every release again, after all the
@@ -355,8 +359,7 @@ class StagingRing:
 
     def _misfit(self, group: int) -> str | None:
         """Why a ring of slots of `group` layers would not fit this step, or None."""
-        slots = min(self.depth + 2, -(-self.n_layers // group))
-        need = slots * group * self.n * self.page_bytes
+        need = self._slots(group) * group * self.n * self.page_bytes
         if self.budget and need > self.budget:
             return "budget"
         grow = need - self.capacity * self.page_bytes
