@@ -342,12 +342,12 @@ class DecodeGraphs:
         pool's ring) is captured on its first step."""
         if not self._current():
             return
-        top, rows = self.bucket_rows(min(max_rows, MAX_ROWS)), 1
+        top, rows, size = self.bucket_rows(min(max_rows, MAX_ROWS)), 1, self._piece_layers()
         while rows <= top:
             splits = 1
             while splits <= PREPARED_SPLITS:
-                if (rows, splits, self._piece_layers()) not in self.graphs:
-                    self._build(rows, splits, self._piece_layers())
+                if (rows, splits, size) not in self.graphs:
+                    self._build(rows, splits, size)
                 splits *= 2
             rows *= 2
 
