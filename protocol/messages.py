@@ -38,6 +38,14 @@ class MsgType(IntEnum):
     SHUTDOWN = 0x28
     # worker -> next worker
     ACTIVATIONS = 0x31
+    # frontend <-> engine core (a private ipc socket; token ids only, no text)
+    FRONTEND_HELLO = 0x41
+    SERVE = 0x42
+    LISTENING = 0x43
+    SUBMIT = 0x44
+    CANCEL = 0x45
+    OUTPUTS = 0x46
+    REPORT = 0x47
 
 
 MAX_ID = 128  # characters in a request id
@@ -310,14 +318,116 @@ class Activations:
     shape: list[int] = _field([], max_len=8)
 
 
+# ---- frontend <-> engine core ------------------------------------------------------------------
+#
+# A frontend turns client requests into token ids and token ids into text; the core sees only
+# ids. Request keys are the frontend's own integers; the core names a request by (frontend, key).
+
+
+@dataclass
+class FrontendHello:
+    TYPE: ClassVar[MsgType] = MsgType.FRONTEND_HELLO
+    index: int = _field(lo=0, hi=4095)
+    pid: int = _field(0, lo=0)
+
+
+@dataclass
+class Serve:
+    """Core -> frontend, once the workers are ready: what a frontend needs to admit requests."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SERVE
+    model: ModelInfo = field(default_factory=lambda: ModelInfo("", 1, 1, 1, ""))
+    kv_pages: int = _field(1, lo=1)
+    page_size: int = _field(1, lo=1)
+
+
+@dataclass
+class Listening:
+    TYPE: ClassVar[MsgType] = MsgType.LISTENING
+    index: int = _field(lo=0, hi=4095)
+    endpoint: str = _field(max_len=256)
+
+
+@dataclass
+class Submit:
+    """A request as token ids; the prompt is the one raw frame (int32, `n_prompt` of them)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SUBMIT
+    key: int = _field(0, lo=0)
+    n_prompt: int = _field(1, lo=1, hi=MAX_TOKENS_LIST)
+    n: int = _field(1, lo=1, hi=64)
+    max_tokens: int = _field(16, lo=1, hi=1 << 24)
+    temperature: float = _field(0.0, lo=0.0, hi=100.0)
+    top_p: float = _field(1.0, lo=0.0, hi=1.0)
+    top_k: int = _field(0, lo=0, hi=1 << 24)
+    seed: int | None = _field(None, lo=0, hi=(1 << 63) - 1)
+    stop_token_ids: list[int] = _field([], max_len=1024)
+    ignore_eos: bool = _field(False)
+    priority: int = _field(0, lo=-(1 << 31), hi=(1 << 31) - 1)
+    arrival: float = _field(0.0)  # time.monotonic() when the frontend received it
+
+
+@dataclass
+class Cancel:
+    """Frontend -> core: stop a request's choice (`index`, or -1 for all of them), because a
+    stop string ended it (`stop`) or its client aborted or went away (`abort`)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CANCEL
+    key: int = _field(lo=0)
+    index: int = _field(-1, lo=-1, hi=63)
+    reason: str = _field("abort", max_len=16)
+
+
+@dataclass
+class Finished:
+    """A choice the core has ended. `stop` from the core means a stop token (EOS or one of
+    `stop_token_ids`): the choice's token in the same message is that token, not text."""
+
+    key: int = _field(lo=0)
+    index: int = _field(lo=0, hi=63)
+    reason: str = _field(max_len=16)
+    preemptions: int = _field(0, lo=0)
+
+
+@dataclass
+class Failed:
+    key: int = _field(lo=0)
+    code: str = _field(max_len=32)
+    message: str = _field(max_len=1 << 16)
+
+
+@dataclass
+class Outputs:
+    """Core -> frontend after a step: its tokens in one raw frame of int64 rows
+    (key, index, token), `n_rows` of them, then the choices that ended and requests that
+    failed."""
+
+    TYPE: ClassVar[MsgType] = MsgType.OUTPUTS
+    n_rows: int = _field(0, lo=0, hi=MAX_LIST)
+    finished: list[Finished] = _field([], max_len=MAX_LIST)
+    failed: list[Failed] = _field([], max_len=MAX_LIST)
+
+
+@dataclass
+class Report:
+    """Frontend -> core: what only the frontend saw, for the core's metrics (counts since the
+    last report)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.REPORT
+    errors: dict = field(default_factory=dict)  # error code -> requests refused
+    dropped: int = _field(0, lo=0)  # malformed client messages
+
+
 MESSAGES: dict[MsgType, type] = {
     cls.TYPE: cls
     for cls in (
         Generate, Abort, Status, Chunk, Result, StatusReply, Error, Register, Assign, Ready,
-        Heartbeat, Step, StepResult, StepError, Shutdown, Activations,
+        Heartbeat, Step, StepResult, StepError, Shutdown, Activations, FrontendHello, Serve,
+        Listening, Submit, Cancel, Outputs, Report,
     )
 }
-FRAMES: dict[MsgType, int] = {MsgType.ACTIVATIONS: 1}  # raw frames each type carries
+# raw frames each type carries
+FRAMES: dict[MsgType, int] = {MsgType.ACTIVATIONS: 1, MsgType.SUBMIT: 1, MsgType.OUTPUTS: 1}
 
 
 # ---- validation -------------------------------------------------------------------------------
@@ -325,7 +435,29 @@ FRAMES: dict[MsgType, int] = {MsgType.ACTIVATIONS: 1}  # raw frames each type ca
 
 def to_header(msg: Any) -> dict:
     """The msgpack-ready map of a message (nested dataclasses become maps)."""
-    return {f.name: _plain(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
+    nested = _NESTED.get(type(msg))
+    if nested is None:
+        nested = _NESTED[type(msg)] = _nesting(type(msg))
+    return {name: _plain(getattr(msg, name)) if deep else getattr(msg, name)
+            for name, deep in nested}
+
+
+_NESTED: dict[type, list[tuple[str, bool]]] = {}
+
+
+def _nesting(cls: type) -> list[tuple[str, bool]]:
+    """Each field's name and whether it may hold dataclasses (the rest go to msgpack as they
+    are): the hot messages are mostly ints and lists of ints."""
+    plain = (int, float, str, bool, dict, type(None))
+
+    def deep(tp: Any) -> bool:
+        if tp in plain:
+            return False
+        args = typing.get_args(tp)
+        return not args or any(deep(a) for a in args)
+
+    hints = typing.get_type_hints(cls)
+    return [(f.name, deep(hints[f.name])) for f in dataclasses.fields(cls)]
 
 
 def _plain(value: Any) -> Any:
@@ -341,67 +473,110 @@ def from_header(cls: type, header: Any, where: str = "") -> Any:
     if not isinstance(header, dict):
         what = f"field {where[:-1]!r}" if where else cls.__name__
         raise ProtocolError(f"{what} must be a map")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = [k for k in header if k not in fields]
-    if unknown:
+    fields = _FIELDS.get(cls)
+    if fields is None:
+        fields = _FIELDS[cls] = _field_checks(cls)
+    if not fields.keys() >= header.keys():
+        unknown = [k for k in header if k not in fields]
         raise ProtocolError(f"unknown field {where + str(unknown[0])[:64]!r}")
-    hints = _hints(cls)
     values = {}
-    for name, f in fields.items():
-        if name not in header:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(f"missing field {where + name!r}")
-            continue
-        values[name] = _check(hints[name], header[name], f.metadata, f"{where}{name}")
+    for name, (check, required) in fields.items():
+        if name in header:
+            values[name] = check(header[name], where, name)
+        elif required:
+            raise ProtocolError(f"missing field {where + name!r}")
     return cls(**values)
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+# A field's check takes (value, where, name) and returns the value to keep; the field's name is
+# formatted only for an error, since checks run for every item of every list.
+Check = typing.Callable[[Any, str, Any], Any]
+_FIELDS: dict[type, dict[str, tuple[Check, bool]]] = {}
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
+def _field_checks(cls: type) -> dict[str, tuple[Check, bool]]:
+    """name -> (check, required) for each field of `cls`, built once per class."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (_compile(hints[f.name], f.metadata or {}),
+                     f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+            for f in dataclasses.fields(cls)}
 
 
-def _check(tp: Any, value: Any, meta: Any, name: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _check(inner, value, meta, name)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError(f"field {name!r} must be a list")
-        _check_len(value, meta, name)
-        (item,) = typing.get_args(tp)
-        return [_check(item, v, {}, f"{name}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        return from_header(tp, value, f"{name}.")
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ProtocolError(f"field {name!r} must be a boolean")
-        return value
+def _compile(tp: Any, meta: Any) -> Check:
+    max_len, lo, hi = meta.get("max_len"), meta.get("lo"), meta.get("hi")
+
+    def fail(where: str, name: Any, what: str) -> typing.NoReturn:
+        raise ProtocolError(f"field {where + str(name)!r} {what}")
+
+    def in_range(v: Any, where: str, name: Any) -> Any:
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            fail(where, name, f"must be in [{lo}, {hi}], got {v}")
+        return v
+
+    def short(v: Any, where: str, name: Any) -> Any:
+        if max_len is not None and len(v) > max_len:
+            fail(where, name, f"is longer than {max_len}")
+        return v
+
     if tp is int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ProtocolError(f"field {name!r} must be an integer")
-        return _check_range(value, meta, name)
+        def check_int(v: Any, where: str, name: Any) -> Any:
+            if type(v) is not int:  # msgpack makes no int subclasses; a bool is not an int here
+                fail(where, name, "must be an integer")
+            return in_range(v, where, name) if lo is not None or hi is not None else v
+        return check_int
     if tp is float:
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-            raise ProtocolError(f"field {name!r} must be a number")
-        return _check_range(float(value), meta, name)
+        def check_float(v: Any, where: str, name: Any) -> Any:
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
+                fail(where, name, "must be a number")
+            return in_range(float(v), where, name)
+        return check_float
+    if tp is bool:
+        def check_bool(v: Any, where: str, name: Any) -> Any:
+            if not isinstance(v, bool):
+                fail(where, name, "must be a boolean")
+            return v
+        return check_bool
     if tp is str:
-        if not isinstance(value, str):
-            raise ProtocolError(f"field {name!r} must be a string")
-        _check_len(value, meta, name)
-        return value
+        def check_str(v: Any, where: str, name: Any) -> Any:
+            if not isinstance(v, str):
+                fail(where, name, "must be a string")
+            return short(v, where, name)
+        return check_str
     if tp is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"field {name!r} must be a map")
-        _check_plain(value, name)
-        return value
+        def check_dict(v: Any, where: str, name: Any) -> Any:
+            if not isinstance(v, dict):
+                fail(where, name, "must be a map")
+            _check_plain(v, f"{where}{name}")
+            return v
+        return check_dict
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = [a for a in args if a is not type(None)]
+        check_inner = _compile(inner, meta)
+
+        def check_optional(v: Any, where: str, name: Any) -> Any:
+            return None if v is None else check_inner(v, where, name)
+        return check_optional
+    if origin is list:
+        (item,) = args
+        check_item = _compile(item, {})
+
+        def check_list(v: Any, where: str, name: Any) -> Any:
+            if not isinstance(v, list):
+                fail(where, name, "must be a list")
+            short(v, where, name)
+            if item is int:  # the hot case (token and page ids): one pass, items unlimited
+                if all(type(x) is int for x in v):
+                    return v
+                bad = next(i for i, x in enumerate(v) if type(x) is not int)
+                fail(f"{where}{name}", f"[{bad}]", "must be an integer")
+            prefix = f"{where}{name}"
+            return [check_item(x, prefix, f"[{i}]") for i, x in enumerate(v)]
+        return check_list
+    if dataclasses.is_dataclass(tp):
+        def check_nested(v: Any, where: str, name: Any) -> Any:
+            return from_header(tp, v, f"{where}{name}.")
+        return check_nested
     raise TypeError(f"unsupported field type {tp!r}")  # a bug in this file, not bad input
 
 
@@ -416,16 +591,3 @@ def _check_plain(value: dict, name: str) -> None:
             stack.extend(item)
         elif not isinstance(item, (str, bytes, int, float, bool, type(None))):
             raise ProtocolError(f"field {name!r} holds a {type(item).__name__}")
-
-
-def _check_len(value: Any, meta: Any, name: str) -> None:
-    max_len = meta.get("max_len") if meta else None
-    if max_len is not None and len(value) > max_len:
-        raise ProtocolError(f"field {name!r} is longer than {max_len}")
-
-
-def _check_range(value: Any, meta: Any, name: str) -> Any:
-    lo, hi = (meta.get("lo"), meta.get("hi")) if meta else (None, None)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ProtocolError(f"field {name!r} must be in [{lo}, {hi}], got {value}")
-    return value

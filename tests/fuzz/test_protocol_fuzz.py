@@ -5,6 +5,7 @@ Seeded `random.Random` loops (hypothesis is not a dependency), a few thousand ca
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 import struct
@@ -20,24 +21,33 @@ from protocol.messages import (
     Abort,
     Activations,
     Assign,
+    Cancel,
     ChatMessage,
     Choice,
     Chunk,
     Error,
+    Failed,
+    Finished,
+    FrontendHello,
     Generate,
     Heartbeat,
+    Listening,
     ModelInfo,
+    Outputs,
     Ready,
     Register,
+    Report,
     Result,
     Sampling,
     SeqPlan,
+    Serve,
     Shutdown,
     Status,
     StatusReply,
     Step,
     StepError,
     StepResult,
+    Submit,
     Usage,
     to_header,
 )
@@ -62,6 +72,13 @@ VALID = [  # seeds: one of each type, with nested fields filled in
     StepError(step=1, code="internal", message="x"),
     Shutdown(),
     Activations(step=1, dtype="f32", shape=[1, 2]),
+    FrontendHello(index=0, pid=1),
+    Serve(ModelInfo("m", 1, 8, 64, "{}", None, 1, True, [2]), kv_pages=8, page_size=4),
+    Listening(index=0, endpoint="tcp://127.0.0.1:1"),
+    Submit(key=1, n_prompt=2, n=2, seed=3, stop_token_ids=[2], arrival=1.5),
+    Cancel(key=1, index=0, reason="stop"),
+    Outputs(n_rows=1, finished=[Finished(1, 0, "stop", 2)], failed=[Failed(2, "internal", "x")]),
+    Report(errors={"too_long": 2}, dropped=1),
 ]
 
 
@@ -186,7 +203,7 @@ def test_valid_headers_with_random_values_in_random_places(msg):
     rng = random.Random(f"tree-{type(msg).__name__}")
     accepted = 0
     for _ in range(CASES // 8):
-        header = to_header(msg)
+        header = copy.deepcopy(to_header(msg))  # to_header shares the message's lists
         for _ in range(rng.randrange(1, 3)):
             places = nodes(header)
             if not places:

@@ -16,24 +16,33 @@ from protocol.messages import (
     Abort,
     Activations,
     Assign,
+    Cancel,
     ChatMessage,
     Choice,
     Chunk,
     Error,
+    Failed,
+    Finished,
+    FrontendHello,
     Generate,
     Heartbeat,
+    Listening,
     ModelInfo,
+    Outputs,
     Ready,
     Register,
+    Report,
     Result,
     Sampling,
     SeqPlan,
+    Serve,
     Shutdown,
     Status,
     StatusReply,
     Step,
     StepError,
     StepResult,
+    Submit,
     Usage,
 )
 from protocol.wire import VERSION, decode, encode
@@ -64,6 +73,18 @@ SAMPLES = [
     StepResult(step=9, seq_ids=[1], tokens=[42], forward_seconds=0.01),
     StepError(step=9, code="worker_failed", message="CUDA out of memory"),
     Shutdown(),
+    FrontendHello(index=1, pid=7),
+    Serve(ModelInfo("m", 30, 49152, 8192, "{}", None, 1, True, [2]), kv_pages=64, page_size=16),
+    Listening(index=1, endpoint="tcp://127.0.0.1:5557"),
+    Cancel(key=3, index=-1, reason="abort"),
+    Report(errors={"invalid_request": 1}, dropped=2),
+]
+WITH_FRAMES = [  # the types that carry raw frames, with theirs
+    (Activations(step=1, dtype="float32", shape=[1, 2]), [b"\x00" * 8]),
+    (Submit(key=3, n_prompt=3, n=2, max_tokens=9, temperature=0.5, seed=1, stop_token_ids=[2],
+            priority=4, arrival=12.5), [b"\x01\x00\x00\x00" * 3]),
+    (Outputs(n_rows=1, finished=[Finished(3, 0, "length", 1)], failed=[Failed(4, "x", "y")]),
+     [b"\x03" + b"\x00" * 23]),
 ]
 
 
@@ -72,7 +93,14 @@ def parts(msg_type: int, header: object, frames: list[bytes] | None = None) -> l
 
 
 def test_samples_cover_every_message_type():
-    assert {type(m) for m in SAMPLES} | {Activations} == set(MESSAGES.values())
+    assert {type(m) for m in SAMPLES} | {type(m) for m, _ in WITH_FRAMES} == \
+        set(MESSAGES.values())
+
+
+@pytest.mark.parametrize("msg,frames", WITH_FRAMES, ids=lambda m: type(m).__name__)
+def test_messages_with_raw_frames_round_trip(msg, frames):
+    decoded, got = decode(encode(msg, frames))
+    assert decoded == msg and [bytes(f) for f in got] == frames
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)

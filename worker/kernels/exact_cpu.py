@@ -5,8 +5,10 @@ every launch whose row count is a multiple of 4 (any count, any thread count, an
 but one row alone takes gemv and two or three rows a small-matrix path, each summing in another
 order. So every product here is launched with its rows padded to a multiple of `ROW_BLOCK`;
 `check_row_invariance` re-checks the property when exact mode is switched on, so another BLAS
-fails at start-up instead of serving inexactly. Elementwise ops, RMSNorm's row reduction and
-softmax-free max/exp are row-local on the CPU already.
+fails at start-up instead of serving inexactly. On CPUs with AVX-512 MKL's own kernels do not
+have the property (a row changes bits from 9-13 rows on); its AVX2 kernels in strict
+reproducibility mode do, so exact mode pins them first (`pin_blas`). Elementwise ops, RMSNorm's
+row reduction and softmax-free max/exp are row-local on the CPU already.
 
 Attention splits each sequence's keys, in logical order, into splits of `SPLIT` positions:
 scores are one product per launch (inner size D fixed), each split's P @ V has inner size SPLIT
@@ -16,6 +18,8 @@ other rows, or on where its pages live.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +37,14 @@ def _pad(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
 
 def _round_up(n: int, block: int) -> int:
     return max(block, -(-n // block) * block)
+
+
+def pin_blas() -> None:
+    """Ask MKL for its AVX2 kernels in strict reproducibility mode (`MKL_CBWR`). MKL reads the
+    variable at a process's first matrix product, so this must come before any; a call that
+    came too late is caught by `check_row_invariance`. About 1.4x slower per product on an
+    AVX-512 machine, so only exact mode asks for it."""
+    os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
