@@ -1,5 +1,5 @@
-"""What a request must pass before it is queued: a tokenizable prompt, ids the model knows, and
-a size that can ever fit the model's context and the KV pool."""
+"""What a request must pass on its frontend before it is submitted: a tokenizable prompt, ids
+the model knows, and a size that can ever fit the model's context and the KV pool."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import asdict
 from protocol.errors import ErrorCode, RequestError
 from protocol.messages import Generate, ModelInfo
 
-from .scheduler import pages_for
+from .page_allocator import pages_for
 from .text import TextCodec
 
 

@@ -121,7 +121,12 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     a("--max-batch-seqs", type=int, default=64)
     a("--max-batch-tokens", type=int, default=512)
     a("--preempt-every", type=int, default=0)
-    a("--listen", default=DEFAULT_ENDPOINT)
+    a("--listen", default=DEFAULT_ENDPOINT,
+      help="client endpoint; with --frontends N, up to N comma-separated (frontends past them "
+      "take ports of the system's choosing on the first one's host)")
+    a("--frontends", type=int, default=1,
+      help="frontend processes (client sockets, tokenization, text, streaming); `ready` lists "
+      "their endpoints, comma-separated, and clients given that list spread over them")
     a("--worker-listen", default="tcp://127.0.0.1:5556")
     a("--metrics-port", type=int, default=9400,
       help="coordinator metrics port P (worker i: P+1+i); 0 turns the metrics endpoints off")
@@ -142,14 +147,14 @@ def config_from_args(args: argparse.Namespace):
         page_size=args.page_size,
         kv_pages=args.kv_pages, park_pages=args.park_pages, max_batch_seqs=args.max_batch_seqs,
         max_batch_tokens=args.max_batch_tokens, preempt_every=args.preempt_every,
-        listen=args.listen, worker_listen=args.worker_listen,
+        listen=args.listen, frontends=args.frontends, worker_listen=args.worker_listen,
         metrics_port=args.metrics_port or None, curve_keys=args.curve_keys,
         insecure=args.insecure, spawn_workers=args.spawn, worker_threads=args.worker_threads,
     )
 
 
 def cmd_launch(args: argparse.Namespace) -> None:
-    from .engine import Engine
+    from .engine import EngineCore
 
     config = config_from_args(args)
     if args.write_prometheus_config and not config.metrics_port:
@@ -157,7 +162,7 @@ def cmd_launch(args: argparse.Namespace) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    engine = Engine(config)
+    engine = EngineCore(config)
     try:
         if config.metrics_port:
             engine.metrics.serve(config.metrics_port, _host(config.listen))
@@ -177,9 +182,9 @@ def cmd_launch(args: argparse.Namespace) -> None:
 
 
 def _host(endpoint: str) -> str:
-    """The host of a tcp:// endpoint; metrics bind where the client socket does (loopback
-    by default). Local workers advertise loopback."""
-    transport, _, address = endpoint.partition("://")
+    """The host of a tcp:// endpoint (the first of a list); metrics bind where the client
+    socket does (loopback by default). Local workers advertise loopback."""
+    transport, _, address = endpoint.split(",")[0].partition("://")
     if transport != "tcp":
         return "127.0.0.1"
     host = address.rpartition(":")[0].removeprefix("[").removesuffix("]")

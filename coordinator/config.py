@@ -31,7 +31,8 @@ class CoordinatorConfig:
     max_batch_seqs: int = 64
     max_batch_tokens: int = 512
     preempt_every: int = 0
-    listen: str = "tcp://127.0.0.1:5555"
+    listen: str = "tcp://127.0.0.1:5555"  # client endpoints: one, or one per frontend (a,b,...)
+    frontends: int = 1  # processes that serve clients (text, streaming) beside the engine core
     worker_listen: str = "tcp://127.0.0.1:5556"
     metrics_port: int | None = 9400
     curve_keys: str | None = None
@@ -42,6 +43,7 @@ class CoordinatorConfig:
     heartbeat_timeout: float = 2.0
     step_timeout: float = 300.0  # a step in flight longer than this restarts the workers
     max_waiting: int = 4096  # queued requests before new ones get `overloaded`
+    frontend_timeout: float = 10.0  # a frontend silent this long is restarted
 
     def __post_init__(self) -> None:
         if self.park_pages is None:
@@ -71,3 +73,14 @@ class CoordinatorConfig:
         need(self.max_batch_seqs >= 1, "--max-batch-seqs must be at least 1")
         need(self.max_batch_tokens >= 1, "--max-batch-tokens must be at least 1")
         need(self.preempt_every >= 0, "--preempt-every must be >= 0")
+        need(1 <= self.frontends <= 64, "--frontends must be in [1, 64]")
+        given = self.listen.split(",")
+        need(len(given) <= self.frontends,
+             f"--listen names {len(given)} endpoints for {self.frontends} frontend(s)")
+
+    def client_endpoints(self) -> list[str]:
+        """Where each frontend listens: the endpoints --listen names, then, for frontends it
+        does not name, the first one's host on a port of the system's choosing."""
+        given = self.listen.split(",")
+        base = given[0].rpartition(":")[0]
+        return given + [f"{base}:*"] * (self.frontends - len(given))

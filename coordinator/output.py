@@ -1,56 +1,89 @@
-"""What a sampled token does to its sequence (text, stop conditions) and what the client is
-sent: stream chunks with stop strings held back, then one result. No sockets, no scheduling."""
+"""What a request's tokens become on its frontend: each choice's text and stop strings, the
+stream chunks (text that could still become a stop string held back), and one result. No
+sockets, no scheduling."""
 
 from __future__ import annotations
 
-from protocol.messages import Choice, Chunk, Result, Usage
+from dataclasses import dataclass, field
 
-from .sequence import Request, Sequence
-from .text import find_stop
+from protocol.messages import Choice, Chunk, Generate, Result, Usage
 
-
-def append_token(seq: Sequence, token: int, eos_ids: frozenset[int], max_context: int) -> bool:
-    """Add a sampled token; returns whether the sequence finished (finish_reason is set)."""
-    p = seq.request.params
-    seq.token_ids.append(token)
-    stop = (token in eos_ids and not p.ignore_eos) or token in p.stop_token_ids
-    if not stop:
-        searched = len(seq.text)
-        seq.text += seq.detok.push(token)
-        cut = find_stop(seq.text, p.stop, searched) if p.stop else None
-        if cut is not None:
-            seq.text = seq.text[:cut]
-            stop = True
-    if stop:
-        seq.finish_reason = "stop"
-    elif len(seq.generated) >= p.max_tokens or len(seq.token_ids) >= max_context:
-        seq.finish_reason = "length"
-    return seq.finish_reason is not None
+from .text import Detokenizer, TextCodec, find_stop
 
 
-def stream_chunks(req: Request) -> list[Chunk]:
-    """Chunks for what each sequence produced since the last call. Text that could still
-    become a stop string is held back until it cannot."""
-    hold = max((len(s) for s in req.params.stop), default=1) - 1
-    chunks = []
-    for seq in req.seqs:
-        done = seq.finish_reason is not None
-        new_tokens = seq.generated[seq.sent_tokens:]
-        if seq.final_sent or not (new_tokens or done):
-            continue
-        upto = len(seq.text) if done else max(seq.sent_text, len(seq.text) - hold)
-        chunks.append(Chunk(request_id=req.id, index=seq.index, token_ids=new_tokens,
-                            text=seq.text[seq.sent_text:upto], finish_reason=seq.finish_reason))
-        seq.sent_tokens, seq.sent_text, seq.final_sent = len(seq.generated), upto, done
-    return chunks
+@dataclass(eq=False)
+class ChoiceText:
+    index: int
+    detok: Detokenizer
+    token_ids: list[int] = field(default_factory=list)  # generated
+    text: str = ""  # stop strings cut
+    finish_reason: str | None = None
+    ended: bool = False  # the core has ended it too (preemptions are final)
+    preemptions: int = 0
+    sent_text: int = 0  # characters of `text` already streamed
+    sent_tokens: int = 0
+    final_sent: bool = False
 
 
-def final_result(req: Request) -> Result:
-    return Result(
-        request_id=req.id, prompt_token_ids=req.prompt_ids,
-        choices=[Choice(index=s.index, token_ids=s.generated, text=s.text,
-                        finish_reason=s.finish_reason, preemptions=s.preemptions)
-                 for s in req.seqs],
-        usage=Usage(prompt_tokens=len(req.prompt_ids),
-                    completion_tokens=sum(len(s.generated) for s in req.seqs)),
-    )
+class RequestOutput:
+    def __init__(self, key: int, client: bytes, msg: Generate, prompt_ids: list[int],
+                 codec: TextCodec):
+        self.key = key
+        self.client = client  # the client's ROUTER identity
+        self.msg = msg
+        self.prompt_ids = prompt_ids
+        self.choices = [ChoiceText(i, Detokenizer(codec, prompt_ids)) for i in range(msg.n)]
+        self.hold = max((len(s) for s in msg.stop), default=1) - 1
+        self.last_sent = 0.0  # when the client last heard of it (keepalives)
+
+    @property
+    def done(self) -> bool:
+        return all(c.ended for c in self.choices)
+
+    def add_token(self, index: int, token: int, stop_token: bool) -> bool:
+        """A choice's next token (`stop_token`: the core ended the choice on it, so it is not
+        text). Returns whether a stop string ended the choice here."""
+        c = self.choices[index]
+        if c.finish_reason is not None:
+            return False  # computed before the core heard of the stop string
+        c.token_ids.append(token)
+        if stop_token or not (piece := c.detok.push(token)):
+            return False
+        searched = len(c.text)
+        c.text += piece
+        cut = find_stop(c.text, self.msg.stop, searched) if self.msg.stop else None
+        if cut is None:
+            return False
+        c.text, c.finish_reason = c.text[:cut], "stop"
+        return True
+
+    def end(self, index: int, reason: str, preemptions: int) -> None:
+        """The core ended a choice; a stop string's `stop` stands over what it says."""
+        c = self.choices[index]
+        if c.finish_reason is None:
+            c.finish_reason = reason
+        c.ended, c.preemptions = True, preemptions
+
+    def chunks(self) -> list[Chunk]:
+        """Chunks for what each choice produced since the last call."""
+        out = []
+        for c in self.choices:
+            done = c.finish_reason is not None
+            new_tokens = c.token_ids[c.sent_tokens:]
+            if c.final_sent or not (new_tokens or done):
+                continue
+            upto = len(c.text) if done else max(c.sent_text, len(c.text) - self.hold)
+            out.append(Chunk(request_id=self.msg.request_id, index=c.index, token_ids=new_tokens,
+                             text=c.text[c.sent_text:upto], finish_reason=c.finish_reason))
+            c.sent_tokens, c.sent_text, c.final_sent = len(c.token_ids), upto, done
+        return out
+
+    def result(self) -> Result:
+        return Result(
+            request_id=self.msg.request_id, prompt_token_ids=self.prompt_ids,
+            choices=[Choice(index=c.index, token_ids=c.token_ids, text=c.text,
+                            finish_reason=c.finish_reason, preemptions=c.preemptions)
+                     for c in self.choices],
+            usage=Usage(prompt_tokens=len(self.prompt_ids),
+                        completion_tokens=sum(len(c.token_ids) for c in self.choices)),
+        )

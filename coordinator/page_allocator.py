@@ -12,6 +12,11 @@ from __future__ import annotations
 from collections import deque
 
 
+def pages_for(n_positions: int, page_size: int) -> int:
+    """Pages that hold `n_positions`: a partly filled tail page counts in full."""
+    return -(-n_positions // page_size)
+
+
 class PageAllocator:
     def __init__(self, n_pages: int):
         self.n_pages = n_pages

@@ -1,5 +1,6 @@
-"""Continuous batching with chunked prefill and page-counting preemption. Decides what runs
-next; never moves bytes.
+"""Continuous batching with chunked prefill and page-counting preemption: the engine core's
+`schedule` / `update_from_output` pair. It decides what runs next and applies what the step
+produced; it is the only class that changes a sequence's state, and it never moves bytes.
 
 Each step takes, in order: one row for every running sequence that is decoding, then prompt
 chunks of running sequences, then parked sequences restored (oldest first), then new sequences
@@ -8,20 +9,21 @@ partly filled tail page is charged in full and a step that crosses a page bounda
 When a running sequence cannot grow, sequences worse than it (lower priority, then newer) are
 parked: their pages go to the park store and are freed. With the store full, a victim is
 dropped to recompute from its token history instead.
+
+A sequence ends here too: on a stop token or its length (`update_from_output`), or when its
+frontend cancels it (a stop string, a client gone) or its step fails.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
-from .page_allocator import PageAllocator
-from .sequence import Sequence
+from .page_allocator import PageAllocator, pages_for
+from .sequence import Request, Sequence
 
-
-def pages_for(n_positions: int, page_size: int) -> int:
-    """Pages that hold `n_positions`: a partly filled tail page counts in full."""
-    return -(-n_positions // page_size)
+SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i of a request draws from seed + i * SEED_STRIDE
 
 
 @dataclass
@@ -33,31 +35,75 @@ class Move:
 
 @dataclass
 class Schedule:
-    batch: list[tuple[Sequence, int]] = field(default_factory=list)
+    """One step as the scheduler decided it; `plan.step_plan` turns it into the wire's `Step`."""
+
+    batch: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, rows)
     parks: list[Move] = field(default_factory=list)
     restores: list[Move] = field(default_factory=list)
     recomputed: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) pages
+    # Set when the step is emitted: what the workers learn with it.
+    new_pages: dict[int, list[int]] = field(default_factory=dict)  # sequence id -> pages added
+    announce: set[int] = field(default_factory=set)  # sequences whose sampling goes with it
+    free: list[int] = field(default_factory=list)  # sequences the workers forget first
 
     def __bool__(self) -> bool:
         return bool(self.batch or self.parks or self.restores or self.recomputed or self.copies)
 
 
+@dataclass
+class StepOutput:
+    """What a step's results did: each sampled token, and the sequences that ended."""
+
+    tokens: list[tuple[Sequence, int]] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+
+
 class Scheduler:
     def __init__(self, allocator: PageAllocator, park_slots: PageAllocator, page_size: int,
-                 max_batch_seqs: int, max_batch_tokens: int):
+                 max_batch_seqs: int, max_batch_tokens: int, preempt_every: int = 0):
         self.allocator = allocator
         self.park_slots = park_slots
         self.page_size = page_size
         self.max_batch_seqs = max_batch_seqs
         self.max_batch_tokens = max_batch_tokens
+        self.preempt_every = preempt_every  # test knob: park everyone every K decode steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.parked: deque[Sequence] = deque()  # oldest parked first
         self.copies: list[tuple[int, int]] = []  # copy-on-write tails for the next step
+        self.to_free: list[int] = []  # ended sequences the workers still hold
+        self.eos_ids: frozenset[int] = frozenset()
+        self.max_context = 1 << 62
+        self.steps_in_flight = 0
+        self.decode_steps = 0  # since everyone was last parked (preempt_every)
+        self.next_id = 0
+
+    def set_model(self, eos_ids: frozenset[int], max_context: int) -> None:
+        self.eos_ids, self.max_context = eos_ids, max_context
 
     def pages_needed(self, seq: Sequence, n: int) -> int:
         return pages_for(seq.n_computed + n, self.page_size) - len(seq.pages)
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request's `n` choices. They compute the prompt once: the first stops before
+        its last token and hands its pages to the others (`fork`)."""
+        p = req.params
+        seed = p.seed if p.seed is not None else secrets.randbits(62)
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        req.stop_ids = frozenset(stops)
+        for i in range(p.n):
+            req.seqs.append(Sequence(
+                id=self.next_id, request=req, index=i, token_ids=list(req.prompt_ids),
+                seed=seed if i == 0 else (seed + i * SEED_STRIDE) % (1 << 62)))
+            self.next_id += 1
+        parent = req.seqs[0]
+        self.add(parent)
+        if p.n > 1 and len(req.prompt_ids) > 1:
+            parent.fork_at, parent.children = len(req.prompt_ids) - 1, req.seqs[1:]
+        else:
+            for seq in req.seqs[1:]:
+                self.add(seq)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -79,7 +125,123 @@ class Scheduler:
         n = min(seq.n_remaining, budget)
         return n if seq.fork_at is None else min(n, seq.fork_at - seq.n_computed)
 
+    def next_step(self) -> Schedule:
+        """The next step to send (empty: nothing to send now), with the preemption policy
+        around `schedule`. Marks what it takes in flight until `update_from_output` or
+        `fail_step` gives it back."""
+        if self.preempt_every and self.decode_steps >= self.preempt_every:
+            # With several stages some step is nearly always in flight, so a due park holds new
+            # steps back until none is, rather than waiting for a moment that may not come.
+            if self.steps_in_flight:
+                return Schedule()
+            self.decode_steps = 0
+            out = Schedule()
+            for seq in [s for s in self.running if s.pages]:
+                self.preempt(seq, out)
+            if out:
+                return self._emit(out)
+        out = self.schedule()
+        if not out and not self.steps_in_flight:
+            # Nothing fits and nothing runs (pages shared between `n` completions do not come
+            # back when one holder leaves): preempt the worst sequence so the others can grow.
+            victim = self.pick_victim()
+            if victim is not None:
+                self.preempt(victim, out)
+        return self._emit(out) if out else out
+
+    def _emit(self, out: Schedule) -> Schedule:
+        for seq, _ in out.batch:
+            seq.in_flight = True
+            if seq.pages_sent < len(seq.pages):
+                out.new_pages[seq.id] = seq.pages[seq.pages_sent:]
+                seq.pages_sent = len(seq.pages)
+            if not seq.announced:
+                out.announce.add(seq.id)
+                seq.announced = True
+        out.free = self.to_free + [seq.id for seq in out.recomputed]
+        self.to_free = []
+        if out.batch and all(n == 1 for _, n in out.batch):
+            self.decode_steps += 1
+        self.steps_in_flight += 1
+        return out
+
+    def update_from_output(self, sched: Schedule, seq_ids: list[int],
+                           tokens: list[int]) -> StepOutput:
+        """Apply a step's results: rows computed, forks made, tokens appended, and sequences
+        that reached a stop token or their length ended."""
+        self.steps_in_flight -= 1
+        sampled = dict(zip(seq_ids, tokens))
+        out = StepOutput()
+        for seq, n in sched.batch:
+            seq.in_flight = False
+            if seq.finish_reason is not None:
+                continue
+            seq.n_computed += n
+            if seq.fork_at == seq.n_computed:
+                self.fork(seq)
+            token = sampled.get(seq.id)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            out.tokens.append((seq, token))
+            p = seq.request.params
+            if token in seq.request.stop_ids:
+                seq.finish_reason = "stop"
+            elif seq.n_generated >= p.max_tokens or len(seq.token_ids) >= self.max_context:
+                seq.finish_reason = "length"
+            else:
+                continue
+            self.remove(seq)
+            self.to_free.append(seq.id)
+            out.finished.append(seq)
+        return out
+
+    def finish(self, seq: Sequence, reason: str) -> bool:
+        """End a sequence before the workers did (a stop string, an abort, a failure): forget it
+        and free its pages. False if it had ended already."""
+        if seq.finish_reason is not None:
+            return False
+        seq.finish_reason = reason
+        if seq.pages or seq.park_slots or self.holds(seq):
+            self.remove(seq)
+            self.to_free.append(seq.id)
+        return True
+
+    def fail_step(self, sched: Schedule, seq_ids: list[int]) -> tuple[list[Sequence],
+                                                                        list[Sequence]]:
+        """A step failed in a worker: the sequences it named fail (all of them if it named
+        none); the rest recompute from their tokens, since how far each stage got is unknown.
+        Returns (failed, recomputed); the caller ends the failed ones' requests."""
+        self.steps_in_flight -= 1
+        involved = [s for s, _ in sched.batch] + [m.seq for m in sched.parks + sched.restores]
+        for seq in involved:
+            seq.in_flight = False
+        failed, recomputed = [], []
+        for seq in dict.fromkeys(involved):
+            if seq.finish_reason is not None:
+                continue
+            if not seq_ids or seq.id in seq_ids:
+                failed.append(seq)
+            else:
+                self.recompute(seq)
+                self.to_free.append(seq.id)
+                recomputed.append(seq)
+        return failed, recomputed
+
+    def recompute_all(self) -> int:
+        """The workers restarted and every sequence's KV is gone: re-run their tokens from
+        scratch, oldest first. Returns how many were preempted."""
+        every = list(self.parked) + self.running
+        for seq in sorted(every, key=lambda s: (s.request.arrival, s.id), reverse=True):
+            seq.in_flight = False  # appendleft: the oldest ends up first
+            self.recompute(seq)
+        self.to_free = []  # the new workers start with empty page tables
+        self.steps_in_flight = 0
+        return len(every)
+
     def schedule(self) -> Schedule:
+        """The next batch within the limits: decodes, prompt chunks, restores, new sequences;
+        pages reserved for it, sequences that had to make room preempted."""
         out = Schedule(copies=self.copies)
         self.copies = []
         budget = self.max_batch_tokens
@@ -88,8 +250,8 @@ class Scheduler:
         for seq in decoding + [s for s in ready if s.n_remaining > 1]:
             if len(out.batch) >= self.max_batch_seqs or budget == 0:
                 break
-            if seq not in self.running:  # parked by an earlier sequence of this step
-                continue
+            if (out.parks or out.recomputed) and self._preempted(seq, out):
+                continue  # by an earlier sequence of this step
             n = self.rows(seq, budget)
             while not self.allocator.can_allocate(self.pages_needed(seq, n)):
                 victim = self._victim(worse_than=seq, keep=[s for s, _ in out.batch])
@@ -125,6 +287,10 @@ class Scheduler:
             out.batch.append((seq, n))
             budget -= n
         return out
+
+    @staticmethod
+    def _preempted(seq: Sequence, out: Schedule) -> bool:
+        return seq in out.recomputed or any(m.seq is seq for m in out.parks)
 
     def fork(self, parent: Sequence) -> None:
         """n > 1: the parent has computed its prompt but the last token; each child shares the

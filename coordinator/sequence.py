@@ -1,27 +1,29 @@
-"""Requests and their sequences: token and page bookkeeping, no tensors."""
+"""The engine core's requests and sequences: token and page bookkeeping, no text, no tensors.
+
+A `Request` is what a frontend submitted (token ids and sampling options); each of its `n`
+choices is a `Sequence`. Only the scheduler changes a sequence's state.
+"""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
-from protocol.messages import Generate
-
-from .text import Detokenizer
+from protocol.messages import Submit
 
 
 @dataclass(eq=False)
 class Request:
-    id: str
-    client: bytes  # the client's ROUTER identity
-    params: Generate
+    frontend: int  # the frontend that submitted it
+    key: int  # that frontend's name for it
+    params: Submit
     prompt_ids: list[int]
-    arrival: float = field(default_factory=time.monotonic)
+    arrival: float  # time.monotonic() when its frontend received it
     seqs: list[Sequence] = field(default_factory=list)
     first_token_time: float | None = None
     last_token_time: float | None = None
     scheduled_time: float | None = None
-    last_keepalive: float = 0.0
+    # Tokens that end a choice: the model's EOS (unless ignored) and the request's stop ids.
+    stop_ids: frozenset[int] = frozenset()
 
     @property
     def finished(self) -> bool:
@@ -35,7 +37,6 @@ class Sequence:
     index: int  # choice index within its request
     token_ids: list[int]  # prompt, then generated tokens
     seed: int
-    detok: Detokenizer
     n_prompt: int = 0
     n_computed: int = 0  # positions whose K/V the workers hold
     pages: list[int] = field(default_factory=list)
@@ -47,10 +48,6 @@ class Sequence:
     announced: bool = False  # the workers know its sampling parameters
     finish_reason: str | None = None
     preemptions: int = 0
-    text: str = ""  # generated text so far, stop strings cut
-    sent_text: int = 0  # characters of `text` already streamed
-    sent_tokens: int = 0  # generated tokens already streamed
-    final_sent: bool = False  # its last chunk is out
 
     def __post_init__(self) -> None:
         self.n_prompt = len(self.token_ids)
@@ -61,8 +58,8 @@ class Sequence:
         return len(self.token_ids) - self.n_computed
 
     @property
-    def generated(self) -> list[int]:
-        return self.token_ids[self.n_prompt:]
+    def n_generated(self) -> int:
+        return len(self.token_ids) - self.n_prompt
 
     @property
     def priority(self) -> int:

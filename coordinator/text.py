@@ -1,13 +1,16 @@
-"""Text on the coordinator's side: tokenizer and chat template from the worker's READY, and
-incremental detokenization with stop strings."""
+"""Text on a frontend's side: the tokenizer and chat template from the workers' READY, incremental
+detokenization, and stop strings."""
 
 from __future__ import annotations
 
 import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from protocol.messages import ModelInfo
+
+CONTEXT = 4  # prompt ids a detokenizer starts from, so the first token's leading space is right
 
 
 class TextCodec:
@@ -16,6 +19,9 @@ class TextCodec:
         self.bos_id = info.bos_id
         self.add_bos = info.add_bos
         self.eos_ids = frozenset(info.eos_ids)
+        # Skipped when decoding, so they never change text: a detokenizer never holds them.
+        self.special_ids = frozenset(
+            i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special)
         self.template = None
         if info.chat_template:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True,
@@ -48,21 +54,38 @@ def _raise(message: str) -> None:
 
 
 class Detokenizer:
-    """Turns a growing list of token ids into text deltas that never split a character."""
+    """Text deltas of a growing list of token ids that never split a character, at a constant
+    cost per token: tokenizers' `DecodeStream`, which decodes only the ids since its last whole
+    character, started after the prompt's last `CONTEXT` ids (so the first token's leading space
+    decodes as it does mid-text). Special tokens decode to nothing and never enter it, so a run
+    of them (a random model's usual output) does not grow what it decodes.
+
+    A prompt that ends inside a character cannot start a stream: until the first text, such a
+    detokenizer decodes the whole window after the prompt's ids, twice a token, as the stream
+    would have (and siding before it did); then it streams.
+    """
 
     def __init__(self, codec: TextCodec, prompt_ids: list[int]):
-        self.codec = codec
-        tail = prompt_ids[-4:]  # context so the first token's leading space decodes right
-        self.ids = list(tail)
-        self.prefix = 0
-        self.read = len(tail)
+        self.tokenizer = codec.tokenizer
+        self.special = codec.special_ids
+        self.stream = DecodeStream(skip_special_tokens=True)
+        self.context = [t for t in prompt_ids[-CONTEXT:] if t not in self.special]
+        self.window: list[int] | None = None  # ids after `context` while there is no stream
+        if self.context and self.stream.step(self.tokenizer, self.context) is None:
+            self.window = []
 
     def push(self, token: int) -> str:
-        self.ids.append(token)
-        before = self.codec.decode(self.ids[self.prefix:self.read])
-        after = self.codec.decode(self.ids[self.prefix:])
+        if token in self.special:
+            return ""
+        if self.window is None:
+            return self.stream.step(self.tokenizer, token) or ""
+        self.window.append(token)
+        before = self.tokenizer.decode(self.context, skip_special_tokens=True)
+        after = self.tokenizer.decode(self.context + self.window, skip_special_tokens=True)
         if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
+            self.stream = DecodeStream(skip_special_tokens=True)
+            self.stream.step(self.tokenizer, self.window)  # whole characters: it takes them all
+            self.window = None
             return after[len(before):]
         return ""
 

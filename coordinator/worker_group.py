@@ -18,6 +18,9 @@ from .config import CoordinatorConfig, threads_per_worker
 
 log = logging.getLogger("siding.coordinator")
 
+MAX_RESTARTS = 3  # restarts within RESTART_WINDOW before the cluster gives up
+RESTART_WINDOW = 60.0
+
 
 class StartupError(RuntimeError):
     pass
@@ -45,6 +48,7 @@ class WorkerGroup:
         self.model: ModelInfo | None = None
         self.ready = False
         self.deadline = 0.0
+        self.restarts: list[float] = []
 
     # ---- local processes --------------------------------------------------------------------
 
@@ -81,6 +85,13 @@ class WorkerGroup:
         self.handles = []
         self.ready = False
         self.deadline = time.monotonic() + self.config.startup_timeout
+
+    def note_restart(self, now: float, reason: str) -> None:
+        """Count a restart; raise StartupError(reason) when the group may not restart (remote
+        workers, or too many restarts lately)."""
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW] + [now]
+        if not self.config.spawn_workers or len(self.restarts) > MAX_RESTARTS:
+            raise StartupError(reason)
 
     def restart(self) -> None:
         self.stop_local(timeout=2.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,6 +13,7 @@ import zmq.asyncio
 
 from .client import (
     DEFAULT_ENDPOINT,
+    SILENCE_SECONDS,
     ClientBase,
     Completion,
     StreamChunk,
@@ -35,12 +37,13 @@ class AsyncClient(ClientBase):
         endpoint: str = DEFAULT_ENDPOINT,
         *,
         timeout: float | None = 600.0,
+        silence_timeout: float | None = SILENCE_SECONDS,
         curve_server_key: bytes | None = None,
         curve_keys_dir: str | None = None,
     ):
         super().__init__(
             zmq.asyncio.Context.instance(), asyncio.Queue, endpoint, timeout, curve_server_key,
-            curve_keys_dir,
+            curve_keys_dir, silence_timeout,
         )
         self._status_lock = asyncio.Lock()
         self._reader: asyncio.Task | None = None
@@ -110,11 +113,22 @@ class AsyncClient(ClientBase):
             raise self._no_reply(getattr(msg, "request_id", None)) from None
 
     async def _next(self, key: str | None) -> Any:
-        try:
-            reply = await asyncio.wait_for(self._replies.queue(key).get(), self.timeout)
-        except asyncio.TimeoutError:
-            raise self._no_reply(key) from None
-        return self._replies.take(key, reply)
+        pending = self._replies.queue(key)
+        started = time.monotonic()
+        while True:
+            deadline, gone = self._wait_limits(started)
+            ends = [t for t in (deadline, gone) if t is not None]
+            left = max(0.0, min(ends) - time.monotonic()) if ends else None
+            try:
+                reply = await asyncio.wait_for(pending.get(), left)
+            except asyncio.TimeoutError:
+                deadline, gone = self._wait_limits(started)  # others' replies count as heard
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise self._no_reply(key) from None
+                if gone is not None and time.monotonic() >= gone:
+                    raise self._silent(key) from None
+                continue
+            return self._replies.take(key, reply)
 
     async def _read(self) -> None:
         while True:
@@ -123,6 +137,7 @@ class AsyncClient(ClientBase):
             except zmq.ZMQError as e:
                 self._replies.fail_all(ErrorCode.INTERNAL, f"lost {self.endpoint}: {e}")
                 return
+            self._last_heard = time.monotonic()
             try:
                 msg, _ = decode(parts)
             except ProtocolError as e:  # no way to tell whose it was: fail every waiting call

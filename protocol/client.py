@@ -5,6 +5,7 @@ and errors into return values and exceptions.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import time
 import uuid
@@ -31,6 +32,18 @@ from .security import secure_client
 from .wire import MAX_MESSAGE_BYTES, decode, encode
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
+SILENCE_SECONDS = 5.0  # a server sends keepalives every second; this long without any, it is gone
+
+_clients = itertools.count()
+
+
+def pick_endpoint(endpoint: str) -> str:
+    """One endpoint of a comma-separated list (what `siding launch --frontends N` prints): each
+    client made in this process takes the next, so many clients spread over the frontends."""
+    choices = [e.strip() for e in endpoint.split(",") if e.strip()]
+    if not choices:
+        raise ValueError(f"no endpoint in {endpoint!r}")
+    return choices[next(_clients) % len(choices)]
 
 # The wire types are the public ones: they hold exactly the fields a caller reads, validated.
 CompletionChoice = Choice  # index, token_ids, text, finish_reason, preemptions
@@ -177,11 +190,15 @@ class ClientBase:
         timeout: float | None,
         curve_server_key: bytes | None,
         curve_keys_dir: str | None,
+        silence_timeout: float | None = SILENCE_SECONDS,
     ):
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout}")
-        self.endpoint = endpoint
+        self.endpoint = pick_endpoint(endpoint)
+        endpoint = self.endpoint
         self.timeout = timeout
+        self.silence_timeout = silence_timeout
+        self._last_heard = 0.0  # time.monotonic() of the server's last message
         self._replies = Replies(new_queue)
         socket = context.socket(zmq.DEALER)
         socket.linger = 0
@@ -205,6 +222,21 @@ class ClientBase:
             ErrorCode.INTERNAL, f"no reply from {self.endpoint} within {self.timeout:g}s", key
         )
 
+    def _silent(self, key: str | None) -> RequestError:
+        return RequestError(
+            ErrorCode.INTERNAL, f"lost the server at {self.endpoint}: nothing heard from it, not "
+            f"even a keepalive, for {self.silence_timeout:g}s", key
+        )
+
+    def _wait_limits(self, started: float) -> tuple[float | None, float | None]:
+        """(deadline for the reply, time the server counts as gone) of a wait begun at
+        `started`, as time.monotonic() values; None where there is no limit."""
+        deadline = None if self.timeout is None else started + self.timeout
+        gone = None
+        if self.silence_timeout is not None:
+            gone = max(started, self._last_heard) + self.silence_timeout
+        return deadline, gone
+
     def _malformed(self, error: ProtocolError) -> str:
         return f"malformed reply from {self.endpoint}: {error.message}"
 
@@ -223,7 +255,10 @@ class Client(ClientBase):
 
     `timeout` bounds every wait for a request's next piece of output: the Result of `generate`,
     each chunk of `stream` (keepalives do not count). Past it the request is aborted and
-    RequestError(`internal`) raised. Options of `generate` and `stream`: see `build_generate`.
+    RequestError(`internal`) raised. A server that sends nothing at all, not even the keepalive
+    it sends every second, for `silence_timeout` seconds is gone: the wait raises at once.
+    `endpoint` may be a comma-separated list (one per frontend); the client takes one of them.
+    Options of `generate` and `stream`: see `build_generate`.
     """
 
     def __init__(
@@ -231,12 +266,13 @@ class Client(ClientBase):
         endpoint: str = DEFAULT_ENDPOINT,
         *,
         timeout: float | None = 600.0,
+        silence_timeout: float | None = SILENCE_SECONDS,
         curve_server_key: bytes | None = None,
         curve_keys_dir: str | None = None,
     ):
         super().__init__(
             zmq.Context.instance(), queue.SimpleQueue, endpoint, timeout, curve_server_key,
-            curve_keys_dir,
+            curve_keys_dir, silence_timeout,
         )
 
     def generate(self, prompt: str | None = None, **options: Any) -> Completion:
@@ -299,14 +335,22 @@ class Client(ClientBase):
 
     def _next(self, key: str | None) -> Any:
         pending = self._replies.queue(key)
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        started = time.monotonic()
         while pending.empty():
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            deadline, gone = self._wait_limits(started)
+            ends = [t for t in (deadline, gone) if t is not None]
+            left = max(0.0, min(ends) - time.monotonic()) if ends else None
             if not self._socket.poll(None if left is None else round(left * 1000)):  # ms
-                raise self._no_reply(key)
+                deadline, gone = self._wait_limits(started)  # others' replies count as heard
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise self._no_reply(key)
+                if gone is not None and time.monotonic() >= gone:
+                    raise self._silent(key)
+                continue
             try:
                 msg, _ = decode(self._socket.recv_multipart(copy=False))
             except ProtocolError as e:
                 raise RequestError(ErrorCode.INVALID_REQUEST, self._malformed(e), key) from None
+            self._last_heard = time.monotonic()
             self._replies.deliver(msg)
         return self._replies.take(key, pending.get_nowait())

@@ -1,22 +1,12 @@
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from worker.kernels import exact_cpu
 from worker.loaders import smollm2_path
-
-# The exactness tests run exact kernels in this process, whose BLAS must be pinned before its
-# first product (exact_cpu.pin_blas). One product latches it; the variable is then taken back so
-# that the clusters the tests start choose for themselves (their workers pin it in exact mode).
-if "MKL_CBWR" not in os.environ:
-    exact_cpu.pin_blas()
-    torch.ones(8, 8) @ torch.ones(8, 8)
-    del os.environ["MKL_CBWR"]
 
 
 @pytest.fixture(scope="session")

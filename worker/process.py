@@ -38,7 +38,6 @@ from protocol.wire import MAX_MESSAGE_BYTES, decode, encode
 from .cuda_graphs import DecodeGraphs
 from .exact import apply_exact
 from .host_kv import HostKVPool
-from .kernels import exact_cpu
 from .kv_pool import KVPool
 from .loaders import resolve
 from .metrics import WorkerMetrics
@@ -151,8 +150,6 @@ class Worker:
         else:
             start, end = layer_range(args.n_layers, a.n_workers, a.rank)
         dtype = resolve_dtype(a.dtype, self.device)
-        if a.exact and torch.device(self.device).type == "cpu":
-            exact_cpu.pin_blas()  # before the process's first matrix product
         stage = source.load_stage(start, end, dtype, self.device)
         if a.exact:
             apply_exact(stage, self.device)

@@ -1,14 +1,13 @@
 from coordinator.page_allocator import PageAllocator
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import Request, Sequence
-from protocol.messages import Generate
+from protocol.messages import Submit
 
 
 def make_seq(i: int, prompt_len: int, priority: int = 0) -> Sequence:
-    req = Request(id=str(i), client=b"c", params=Generate(request_id=str(i), priority=priority),
+    req = Request(frontend=0, key=i, params=Submit(key=i, priority=priority),
                   prompt_ids=list(range(prompt_len)), arrival=float(i))
-    seq = Sequence(id=i, request=req, index=0, token_ids=list(range(prompt_len)), seed=0,
-                   detok=None)
+    seq = Sequence(id=i, request=req, index=0, token_ids=list(range(prompt_len)), seed=0)
     req.seqs.append(seq)
     return seq
 

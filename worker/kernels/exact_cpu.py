@@ -1,14 +1,14 @@
 """Batch-invariant kernels for the CPU: each row's bits depend on that row alone.
 
-Measured on the x86 build of torch (MKL sgemm, AVX2): a row of `x @ w.T` gets the same bits in
-every launch whose row count is a multiple of 4 (any count, any thread count, any alignment),
-but one row alone takes gemv and two or three rows a small-matrix path, each summing in another
-order. So every product here is launched with its rows padded to a multiple of `ROW_BLOCK`;
-`check_row_invariance` re-checks the property when exact mode is switched on, so another BLAS
-fails at start-up instead of serving inexactly. On CPUs with AVX-512 MKL's own kernels do not
-have the property (a row changes bits from 9-13 rows on); its AVX2 kernels in strict
-reproducibility mode do, so exact mode pins them first (`pin_blas`). Elementwise ops, RMSNorm's
-row reduction and softmax-free max/exp are row-local on the CPU already.
+Measured on the x86 build of torch (MKL sgemm): with AVX2 kernels a row of `x @ w.T` gets the
+same bits in every launch whose row count is a multiple of 4, but with AVX-512 ones (seen on a
+Xeon with AMX) a row changes bits from 9-13 rows on; on both, one row alone takes gemv and two
+or three rows a small-matrix path, each summing in another order. So every product here is
+launched in blocks of exactly `ROW_BLOCK` rows (the last padded with zeros), as the CUDA kernels
+are: one shape per weight, whatever the batch. `check_row_invariance` re-checks the property
+when exact mode is switched on, so another BLAS fails at start-up instead of serving inexactly.
+Elementwise ops, RMSNorm's row reduction and softmax-free max/exp are row-local on the CPU
+already.
 
 Attention splits each sequence's keys, in logical order, into splits of `SPLIT` positions:
 scores are one product per launch (inner size D fixed), each split's P @ V has inner size SPLIT
@@ -19,12 +19,10 @@ other rows, or on where its pages live.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-ROW_BLOCK = 4
+ROW_BLOCK = 16  # rows of every launch
 SPLIT = 64  # keys per split: fixed, whatever the page size, query count or context
 MAX_ROWS = 128  # query rows of one sequence per attention launch, to bound the score tensor
 
@@ -39,14 +37,6 @@ def _round_up(n: int, block: int) -> int:
     return max(block, -(-n // block) * block)
 
 
-def pin_blas() -> None:
-    """Ask MKL for its AVX2 kernels in strict reproducibility mode (`MKL_CBWR`). MKL reads the
-    variable at a process's first matrix product, so this must come before any; a call that
-    came too late is caught by `check_row_invariance`. About 1.4x slower per product on an
-    AVX-512 machine, so only exact mode asks for it."""
-    os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., K] @ weight[N, K].T (+ bias) -> [..., N], every row as in any other launch.
 
@@ -54,8 +44,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     measured for MKL's sgemm, not for oneDNN's half-precision kernels."""
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
-    out = F.linear(_pad(rows, 0, _round_up(m, ROW_BLOCK)).float(), weight.float())[:m]
-    out = out.to(x.dtype)
+    padded, w = _pad(rows, 0, _round_up(m, ROW_BLOCK)).float(), weight.float()
+    out = torch.cat([F.linear(padded[i:i + ROW_BLOCK], w)
+                     for i in range(0, padded.shape[0], ROW_BLOCK)])[:m].to(x.dtype)
     if bias is not None:
         out = out + bias  # added apart: addmm's fused bias is one more path to keep invariant
     return out.reshape(*x.shape[:-1], weight.shape[0])

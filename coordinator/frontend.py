@@ -1,0 +1,332 @@
+"""A frontend process: clients in, token ids to the engine core, text back to clients.
+
+It owns a client ROUTER (`--listen`) and a DEALER to the core's private ipc socket. Clients'
+requests are validated, tokenized (chat templates too) and checked against the model's context
+and the KV pool here, then submitted as token ids; the core's outputs (token ids, finish
+reasons) are detokenized, searched for stop strings (a stop string cancels its choice in the
+core), streamed and gathered into results. Aborts, clients that go away, keepalives and
+`status` are handled here too. Nothing here can delay a step: the core never waits on a
+frontend, and `launch --frontends N` runs several so text work spreads over cores.
+
+`python -m coordinator.frontend` is started by the engine core; it is not a user command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import signal
+import sys
+import time
+from array import array
+from collections import Counter, deque
+
+import zmq
+
+from protocol import security
+from protocol.errors import ErrorCode, ProtocolError, RequestError
+from protocol.messages import (
+    Abort,
+    Cancel,
+    Chunk,
+    Error,
+    FrontendHello,
+    Generate,
+    Heartbeat,
+    Listening,
+    Outputs,
+    Report,
+    Serve,
+    Shutdown,
+    Status,
+    StatusReply,
+    Submit,
+)
+from protocol.wire import MAX_MESSAGE_BYTES, decode, encode
+
+from .admission import check_fits, prompt_ids
+from .output import RequestOutput
+from .text import TextCodec
+
+log = logging.getLogger("siding.frontend")
+
+KEEPALIVE_SECONDS = 1.0  # a request the client has not heard of for this long gets an empty chunk
+HEARTBEAT_SECONDS = 0.5  # to the core
+CLIENT_HWM = 100_000  # queued replies per client before it counts as not reading
+
+
+class Frontend:
+    def __init__(self, core: str, index: int, listen: str, curve_keys: str | None,
+                 insecure: bool, exit_with_parent: bool):
+        security.check_bind(listen, curve_keys, insecure)
+        self.index = index
+        self.listen = listen
+        self.curve_keys = curve_keys
+        self.parent = os.getppid() if exit_with_parent else None
+        self.ctx = zmq.Context()
+        self.auth = None
+        self.core = self.ctx.socket(zmq.DEALER)
+        self.core.setsockopt(zmq.LINGER, 0)
+        self.core.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.core.connect(core)
+        self.clients: zmq.Socket | None = None
+        self.codec: TextCodec | None = None
+        self.serve_msg: Serve | None = None
+        self.requests: dict[int, RequestOutput] = {}
+        self.by_client: dict[tuple[bytes, str], int] = {}  # (client, request id) -> key
+        self.next_key = 0
+        self.status_waiting: deque[bytes] = deque()  # clients waiting on the core's status
+        self.errors: Counter[str] = Counter()  # refused here, for the core's metrics
+        self.dropped = 0
+
+    # ---- start and loop ---------------------------------------------------------------------
+
+    def run(self) -> None:
+        self._to_core(FrontendHello(index=self.index, pid=os.getpid()))
+        while self.serve_msg is None:
+            if self.core.poll(500):
+                msg, _ = self._recv_core()
+                if isinstance(msg, Serve):
+                    self.serve_msg = msg
+                elif isinstance(msg, Shutdown):
+                    return
+            self._check_parent()
+        self.codec = TextCodec(self.serve_msg.model)
+        self.clients = self._bind(self.listen)
+        endpoint = self.clients.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._to_core(Listening(index=self.index, endpoint=endpoint))
+        self._serve()
+
+    def _bind(self, endpoint: str) -> zmq.Socket:
+        s = self.ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        s.setsockopt(zmq.SNDHWM, CLIENT_HWM)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if self.curve_keys:
+            self.auth = security.secure_server(s, self.curve_keys)
+        s.bind(endpoint)
+        return s
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.core, zmq.POLLIN)
+        poller.register(self.clients, zmq.POLLIN)
+        last_beat = last_check = 0.0
+        while True:
+            events = dict(poller.poll(round(HEARTBEAT_SECONDS * 1000 / 2)))
+            if self.core in events and self._drain_core():
+                return
+            if self.clients in events:
+                self._drain_clients()
+            now = time.monotonic()
+            if now - last_beat >= HEARTBEAT_SECONDS:
+                last_beat = now
+                self._to_core(Heartbeat(rank=self.index))
+                self._report()
+                self._check_parent()
+            if now - last_check >= KEEPALIVE_SECONDS / 4:
+                last_check = now
+                self._keepalive(now)
+
+    def close(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.destroy(linger=0)
+
+    def _check_parent(self) -> None:
+        if self.parent is not None and os.getppid() != self.parent:
+            log.warning("the engine core went away; frontend %d exits", self.index)
+            raise SystemExit(1)
+
+    # ---- the core ---------------------------------------------------------------------------
+
+    def _to_core(self, msg, frames=()) -> None:
+        self.core.send_multipart(encode(msg, frames))
+
+    def _recv_core(self):
+        try:
+            return decode(self.core.recv_multipart(copy=False))
+        except ProtocolError as e:
+            log.error("dropped a malformed message from the core: %s", e)
+            return None, []
+
+    def _drain_core(self) -> bool:
+        """Handle what the core sent; True once it says to shut down."""
+        for _ in range(1000):
+            if not self.core.poll(0):
+                return False
+            msg, frames = self._recv_core()
+            if isinstance(msg, Outputs):
+                self._on_outputs(msg, frames[0])
+            elif isinstance(msg, StatusReply):
+                if self.status_waiting:
+                    self._send(self.status_waiting.popleft(), msg)
+            elif isinstance(msg, Shutdown):
+                return True
+        return False
+
+    def _on_outputs(self, msg: Outputs, frame: memoryview) -> None:
+        rows = array("q")
+        rows.frombytes(frame)
+        stop_tokens = {(f.key, f.index) for f in msg.finished if f.reason == "stop"}
+        touched: dict[int, RequestOutput] = {}
+        for key, index, token in zip(rows[0::3], rows[1::3], rows[2::3]):
+            out = self.requests.get(key)
+            if out is None:
+                continue  # aborted here already
+            touched[key] = out
+            if out.add_token(index, token, (key, index) in stop_tokens):
+                self._to_core(Cancel(key=key, index=index, reason="stop"))
+        for f in msg.finished:
+            out = self.requests.get(f.key)
+            if out is not None:
+                out.end(f.index, f.reason, f.preemptions)
+                touched[f.key] = out
+        for f in msg.failed:
+            out = self.requests.pop(f.key, None)
+            if out is not None:
+                touched.pop(f.key, None)
+                self.by_client.pop((out.client, out.msg.request_id), None)
+                self._send(out.client, Error(code=f.code, message=f.message,
+                                             request_id=out.msg.request_id))
+        for out in touched.values():
+            self._emit(out)
+
+    def _emit(self, out: RequestOutput) -> None:
+        """Stream what is new, and send the result once the core has ended every choice."""
+        if out.msg.stream:
+            for chunk in out.chunks():
+                if not self._send(out.client, chunk):
+                    return
+            out.last_sent = time.monotonic()
+        if out.done:
+            self._forget(out)
+            self._send(out.client, out.result())
+
+    def _forget(self, out: RequestOutput) -> None:
+        self.requests.pop(out.key, None)
+        self.by_client.pop((out.client, out.msg.request_id), None)
+
+    def _report(self) -> None:
+        if self.errors or self.dropped:
+            self._to_core(Report(errors=dict(self.errors), dropped=self.dropped))
+            self.errors.clear()
+            self.dropped = 0
+
+    # ---- clients ----------------------------------------------------------------------------
+
+    def _drain_clients(self) -> None:
+        for _ in range(1000):
+            try:
+                parts = self.clients.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity = parts[0].bytes
+            try:
+                msg, _ = decode(parts[1:])
+            except ProtocolError as e:
+                self._drop(identity, e.message)
+                continue
+            try:
+                self._on_client(identity, msg)
+            except Exception:  # a bug must not take the frontend down; say so loudly
+                log.exception("failed to handle %s", type(msg).__name__)
+                self.errors[ErrorCode.INTERNAL.value] += 1
+                self._send(identity, Error(code="internal", message="internal error",
+                                           request_id=getattr(msg, "request_id", None)))
+
+    def _drop(self, identity: bytes, message: str) -> None:
+        self.dropped += 1
+        log.warning("dropped a malformed client message: %s", message)
+        self._send(identity, Error(code=ErrorCode.INVALID_REQUEST.value, message=message))
+
+    def _on_client(self, identity: bytes, msg) -> None:
+        if isinstance(msg, Generate):
+            try:
+                self._admit(identity, msg)
+            except RequestError as e:
+                self.errors[e.code] += 1
+                self._send(identity, Error(code=e.code, message=e.message,
+                                           request_id=msg.request_id))
+        elif isinstance(msg, Abort):
+            key = self.by_client.get((identity, msg.request_id))
+            if key is not None:
+                self._forget(self.requests[key])
+                self._to_core(Cancel(key=key, reason="abort"))
+                self._send(identity, Error(code=ErrorCode.ABORTED.value,
+                                           message="aborted by the client",
+                                           request_id=msg.request_id))
+        elif isinstance(msg, Status):
+            self.status_waiting.append(identity)
+            self._to_core(Status())
+        else:
+            self._drop(identity, f"{type(msg).__name__} is not a client message")
+
+    def _admit(self, identity: bytes, msg: Generate) -> None:
+        msg.check()
+        if (identity, msg.request_id) in self.by_client:
+            raise RequestError(ErrorCode.INVALID_REQUEST,
+                               f"request id {msg.request_id!r} is already in use")
+        arrival = time.monotonic()
+        prompt = prompt_ids(msg, self.codec)
+        s = self.serve_msg
+        check_fits(prompt, msg, s.model, s.kv_pages, s.page_size)
+        key = self.next_key
+        self.next_key += 1
+        out = RequestOutput(key, identity, msg, prompt, self.codec)
+        out.last_sent = arrival
+        self.requests[key] = out
+        self.by_client[(identity, msg.request_id)] = key
+        self._to_core(Submit(
+            key=key, n_prompt=len(prompt), n=msg.n, max_tokens=msg.max_tokens,
+            temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed,
+            stop_token_ids=msg.stop_token_ids, ignore_eos=msg.ignore_eos, priority=msg.priority,
+            arrival=arrival), [array("i", prompt).tobytes()])
+
+    def _send(self, identity: bytes, msg) -> bool:
+        """Send to a client; a client that is gone or not reading loses its requests."""
+        try:
+            self.clients.send_multipart([identity, *encode(msg)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
+                raise
+            for out in [o for o in self.requests.values() if o.client == identity]:
+                self._forget(out)
+                self._to_core(Cancel(key=out.key, reason="abort"))
+            log.info("client %s went away; its requests were aborted", identity.hex())
+            return False
+
+    def _keepalive(self, now: float) -> None:
+        for out in list(self.requests.values()):
+            if now - out.last_sent >= KEEPALIVE_SECONDS:
+                out.last_sent = now
+                self._send(out.client, Chunk(request_id=out.msg.request_id))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m coordinator.frontend",
+                                description="a siding frontend (started by the engine core)")
+    p.add_argument("--core", required=True, help="the engine core's frontend endpoint")
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--listen", required=True, help="the client endpoint to bind")
+    p.add_argument("--curve-keys", default=None)
+    p.add_argument("--insecure", action="store_true")
+    p.add_argument("--exit-with-parent", action="store_true")
+    p.add_argument("--debug", action="store_true")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s frontend {a.index} %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the core drains on Ctrl-C, then stops us
+    frontend = Frontend(a.core, a.index, a.listen, a.curve_keys, a.insecure, a.exit_with_parent)
+    try:
+        frontend.run()
+    finally:
+        frontend.close()
+
+
+if __name__ == "__main__":
+    main()

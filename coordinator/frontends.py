@@ -1,0 +1,159 @@
+"""The engine core's frontends: their processes, the FRONTEND_HELLO/SERVE/LISTENING handshake,
+liveness, and restarts. Knows sockets and processes, not requests.
+
+Frontends reach the core over one ROUTER on an ipc socket in a directory only this user can
+enter, so the file system is what authenticates them; nothing on it leaves the machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from protocol.messages import FrontendHello, Heartbeat, Listening, Serve, Shutdown
+from protocol.wire import MAX_MESSAGE_BYTES, encode
+
+from .config import CoordinatorConfig
+
+log = logging.getLogger("siding.coordinator")
+
+OUTPUT_HWM = 1_000_000  # queued outputs per frontend; a frontend never stops reading for long
+
+
+@dataclass(eq=False)
+class FrontendHandle:
+    index: int
+    listen: str  # what it binds; the port it got, once known, so a restart takes the same
+    process: subprocess.Popen | None = None
+    identity: bytes | None = None
+    endpoint: str | None = None  # where clients reach it, once it listens
+    last_seen: float = 0.0
+    restarts: int = 0
+
+    @property
+    def serving(self) -> bool:
+        return self.endpoint is not None
+
+
+class FrontendGroup:
+    def __init__(self, ctx: zmq.Context, config: CoordinatorConfig):
+        self.config = config
+        self.dir = tempfile.mkdtemp(prefix="siding-")  # mode 0700
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.SNDHWM, OUTPUT_HWM)
+        self.sock.setsockopt(zmq.RCVHWM, OUTPUT_HWM)
+        self.sock.bind(f"ipc://{self.dir}/core")
+        self.handles = [FrontendHandle(i, ep) for i, ep in enumerate(config.client_endpoints())]
+        self.serve_msg: Serve | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    @property
+    def serving(self) -> bool:
+        return all(h.serving for h in self.handles)
+
+    @property
+    def client_endpoints(self) -> str:
+        """What clients are given: every frontend's endpoint, comma-separated."""
+        return ",".join(h.endpoint or h.listen for h in self.handles)
+
+    def spawn_all(self) -> None:
+        for h in self.handles:
+            self._spawn(h)
+
+    def _spawn(self, h: FrontendHandle) -> None:
+        c = self.config
+        cmd = [sys.executable, "-m", "coordinator.frontend", "--core", self.endpoint,
+               "--index", str(h.index), "--listen", h.listen, "--exit-with-parent"]
+        if c.curve_keys:
+            cmd += ["--curve-keys", c.curve_keys]
+        if c.insecure:
+            cmd += ["--insecure"]
+        h.process = subprocess.Popen(cmd)
+        h.identity, h.endpoint, h.last_seen = None, None, time.monotonic()
+
+    def serve(self, msg: Serve) -> None:
+        """The model is known: every frontend that has said hello may start serving."""
+        self.serve_msg = msg
+        for h in self.handles:
+            if h.identity is not None and not h.serving:
+                self.send(h.index, msg)
+
+    def note(self, identity: bytes, msg) -> FrontendHandle | None:
+        """A message from a frontend: the handshake's steps, and liveness. Returns its handle
+        if known."""
+        if isinstance(msg, FrontendHello):
+            if not 0 <= msg.index < len(self.handles):
+                log.warning("a frontend said hello as index %d; ignored", msg.index)
+                return None
+            h = self.handles[msg.index]
+            h.identity, h.last_seen = identity, time.monotonic()
+            if self.serve_msg is not None:
+                self.send(h.index, self.serve_msg)
+            return h
+        h = next((x for x in self.handles if x.identity == identity), None)
+        if h is None:
+            return None
+        h.last_seen = time.monotonic()
+        if isinstance(msg, Listening):
+            h.endpoint = msg.endpoint
+            h.listen = msg.endpoint  # a restart binds the same port
+            log.info("frontend %d: pid %d serving %s", h.index, h.process.pid if h.process
+                     else 0, msg.endpoint)
+        elif not isinstance(msg, Heartbeat) and not h.serving:
+            return None
+        return h
+
+    def send(self, index: int, msg, frames=()) -> None:
+        h = self.handles[index]
+        if h.identity is None:
+            return
+        try:
+            self.sock.send_multipart([h.identity, *encode(msg, frames)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # gone, or not reading: its liveness check will see to it
+            log.warning("frontend %d: cannot send (%s)", index, e)
+
+    def dead(self) -> list[FrontendHandle]:
+        """Frontends whose process exited or that stopped talking."""
+        now = time.monotonic()
+        return [h for h in self.handles if h.process is not None and (
+            h.process.poll() is not None or now - h.last_seen > self.config.frontend_timeout)]
+
+    def restart(self, h: FrontendHandle) -> None:
+        if h.process is not None and h.process.poll() is None:
+            h.process.kill()
+            h.process.wait()
+        h.restarts += 1
+        log.error("frontend %d stopped; restarting it on %s", h.index, h.listen)
+        self._spawn(h)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for h in self.handles:
+            if h.identity is not None:
+                self.send(h.index, Shutdown())
+        deadline = time.monotonic() + timeout
+        for h in self.handles:
+            if h.process is None:
+                continue
+            try:
+                h.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                h.process.kill()
+                h.process.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def describe(self) -> list[dict]:
+        return [{"index": h.index, "endpoint": h.endpoint, "serving": h.serving,
+                 "pid": h.process.pid if h.process else None, "restarts": h.restarts}
+                for h in self.handles]
