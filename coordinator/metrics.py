@@ -60,6 +60,8 @@ class CoordinatorMetrics:
             self.requests.labels(finish_reason=reason)
         for code in ErrorCode:
             self.request_errors.labels(code=code.value)
+        for socket in ("client", "frontend", "worker"):
+            self.dropped_messages.labels(socket=socket)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
@@ -90,6 +92,8 @@ class CoordinatorMetrics:
             "preemptions": {k: int(v) for k, v in
                             self.by_label("siding_preemptions", "action").items()},
             "restores": int(self.value("siding_restores_total")),
+            "dropped": {k: int(v) for k, v in
+                        self.by_label("siding_dropped_messages", "socket").items()},
             "park_pages_used": int(self.value("siding_park_pages_used")),
             "latency_mean_seconds": {
                 "queue": self.mean("siding_request_queue_seconds"),

@@ -461,11 +461,10 @@ def _nesting(cls: type) -> list[tuple[str, bool]]:
 
 
 def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return to_header(value)
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
+    if isinstance(value, list):  # lists are of one type: dataclasses, or scalars msgpack takes
+        return [to_header(v) for v in value] if value and dataclasses.is_dataclass(value[0]) \
+            else value
+    return to_header(value) if dataclasses.is_dataclass(value) else value
 
 
 def from_header(cls: type, header: Any, where: str = "") -> Any:

@@ -3,6 +3,7 @@
 import os
 import pickle
 import threading
+import time
 
 import msgpack
 import pytest
@@ -108,3 +109,17 @@ def test_bad_input_does_not_disturb_a_request_in_flight(cluster):
     assert len(result["r"].token_ids) == 24
     with Client(cluster.endpoint, timeout=60) as c:
         assert c.status()["workers"][1]["alive"] is True
+
+
+def test_bad_input_to_a_frontend_never_reaches_the_core(cluster):
+    def dropped() -> dict:
+        with Client(cluster.endpoint, timeout=60) as c:
+            return c.status()["dropped"]
+
+    before = dropped()
+    for frames in CASES.values():
+        raw_exchange(cluster.endpoint, frames, wait_ms=1000)
+    time.sleep(1.5)  # a frontend reports its counts to the core twice a second
+    after = dropped()
+    assert after["client"] - before["client"] == len(CASES)  # all seen, and counted...
+    assert after["frontend"] == 0 and after["worker"] == 0  # ...by the frontend alone

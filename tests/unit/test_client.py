@@ -343,3 +343,50 @@ def test_cancelling_an_async_call_aborts_its_request(serve):
 
     asyncio.run(main())
     assert server.next() == Abort("cancelled")
+
+
+def test_a_silent_server_fails_the_wait_at_once_not_at_its_timeout(serve):
+    server = serve(lambda msg: [])  # takes the request, then says nothing, not even keepalives
+    with Client(server.endpoint, timeout=60, silence_timeout=0.5) as c:
+        t0 = time.monotonic()
+        with pytest.raises(RequestError) as e:
+            c.generate("x", request_id="lost")
+    assert time.monotonic() - t0 < 5
+    assert e.value.code == "internal" and "nothing heard" in e.value.message
+    assert e.value.request_id == "lost"
+
+
+def test_keepalives_keep_a_long_wait_alive(serve):
+    def script(msg):
+        if not isinstance(msg, Generate):
+            return []
+        beats = [step for _ in range(6) for step in (0.2, Chunk(msg.request_id))]
+        return [*beats, Result(msg.request_id, [1], [Choice(0, [5], "a", "stop", 0)], Usage())]
+
+    server = serve(script)
+    with Client(server.endpoint, timeout=60, silence_timeout=0.5) as c:
+        assert c.generate("x").text == "a"  # 1.2 s, twice the silence allowed, but never silent
+
+
+def test_a_silent_server_fails_every_async_wait(serve):
+    server = serve(lambda msg: [])
+
+    async def main():
+        async with AsyncClient(server.endpoint, timeout=60, silence_timeout=0.5) as c:
+            return await asyncio.gather(c.generate("a"), c.generate("b"),
+                                        return_exceptions=True)
+
+    t0 = time.monotonic()
+    errors = asyncio.run(main())
+    assert time.monotonic() - t0 < 5
+    assert all(isinstance(e, RequestError) and "nothing heard" in e.message for e in errors)
+
+
+def test_a_list_of_endpoints_spreads_clients_over_them(serve):
+    servers = [serve(lambda msg, i=i: [StatusReply({"n": i})]) for i in range(2)]
+    endpoints = ",".join(s.endpoint for s in servers)
+    seen = []
+    for _ in range(4):
+        with Client(endpoints, timeout=5) as c:
+            seen.append(c.status()["n"])
+    assert sorted(seen) == [0, 0, 1, 1]
