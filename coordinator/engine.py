@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import zmq
 
@@ -20,9 +19,6 @@ from protocol import security
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
     Cancel,
-    Failed,
-    Finished,
-    Outputs,
     Ready,
     Register,
     Report,
@@ -40,8 +36,9 @@ from .frontends import FrontendGroup
 from .metrics import CoordinatorMetrics
 from .page_allocator import PageAllocator
 from .plan import step_plan
-from .scheduler import Schedule, Scheduler, StepOutput
-from .sequence import Request
+from .requests import Requests
+from .scheduler import Schedule, Scheduler
+from .status import cluster_status
 from .worker_group import StartupError, WorkerGroup
 
 log = logging.getLogger("siding.coordinator")
@@ -75,7 +72,8 @@ class EngineCore:
                                    PageAllocator(config.park_pages), config.page_size,
                                    config.max_batch_seqs, config.max_batch_tokens,
                                    config.preempt_every)
-        self.requests: dict[tuple[int, int], Request] = {}  # (frontend, key)
+        self.requests = Requests(self.scheduler, self.frontends, self.metrics,
+                                 config.max_waiting)
         self.inflight: dict[int, InFlight] = {}
         self.next_step = 0
         self.forward_seconds = [0.0, 0]  # the last stage's forward time: sum, steps
@@ -130,8 +128,7 @@ class EngineCore:
                 drain_deadline = time.monotonic() + drain_seconds
                 log.info("draining %d requests", len(self.requests))
             if self.draining and (not self.requests or time.monotonic() > drain_deadline):
-                for req in list(self.requests.values()):
-                    self._fail(req, ErrorCode.ABORTED, "the server is shutting down")
+                self.requests.fail_all(ErrorCode.ABORTED, "the server is shutting down")
                 return
             busy = bool(self.scheduler.waiting or self.scheduler.running)
             idle_device = busy and not self.inflight
@@ -141,7 +138,7 @@ class EngineCore:
             if now - last_check > SUPERVISE_SECONDS:
                 last_check = now
                 self._supervise(now)
-                self._update_gauges()
+                self.metrics.set_gauges(self.scheduler, self.workers.n_up)
 
     def _poller(self) -> zmq.Poller:
         poller = zmq.Poller()
@@ -185,79 +182,17 @@ class EngineCore:
         if h is None:
             return
         if isinstance(msg, Submit):
-            self._submit(h.index, msg, frames[0])
+            closed = ((ErrorCode.OVERLOADED, "the server is shutting down") if self.draining
+                      else (ErrorCode.WORKER_FAILED, self.failed) if self.failed else None)
+            self.requests.submit(h.index, msg, frames[0], self.model.vocab_size, closed)
         elif isinstance(msg, Cancel):
-            self._cancel(h.index, msg)
+            self.requests.cancel(h.index, msg)
         elif isinstance(msg, Status):
-            self.frontends.send(h.index, StatusReply(status=self.status()))
+            self.frontends.send(h.index, StatusReply(status=cluster_status(
+                self.config, self.model, self.scheduler, self.workers, self.frontends,
+                self.metrics, self.forward_seconds)))
         elif isinstance(msg, Report):
-            self._report(msg)
-
-    def _submit(self, frontend: int, msg: Submit, frame: memoryview) -> None:
-        def refuse(code: ErrorCode, message: str) -> None:
-            self.metrics.request_errors.labels(code=code.value).inc()
-            self.frontends.send(frontend, Outputs(failed=[Failed(msg.key, code.value, message)]),
-                                [b""])
-
-        prompt = array("i")
-        if len(frame) != prompt.itemsize * msg.n_prompt:
-            return refuse(ErrorCode.INVALID_REQUEST, "the prompt frame does not hold n_prompt ids")
-        prompt.frombytes(frame)
-        if max(prompt) >= self.model.vocab_size or min(prompt) < 0:
-            return refuse(ErrorCode.INVALID_REQUEST, "the prompt has ids outside the vocabulary")
-        if self.draining:
-            return refuse(ErrorCode.OVERLOADED, "the server is shutting down")
-        if self.failed:
-            return refuse(ErrorCode.WORKER_FAILED, self.failed)
-        if (frontend, msg.key) in self.requests:
-            return refuse(ErrorCode.INVALID_REQUEST, f"request key {msg.key} is already in use")
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
-            return refuse(ErrorCode.OVERLOADED, "too many requests are queued")
-        req = Request(frontend=frontend, key=msg.key, params=msg, prompt_ids=prompt.tolist(),
-                      arrival=msg.arrival)
-        self.scheduler.add_request(req)
-        self.requests[(frontend, msg.key)] = req
-        self.metrics.prompt_tokens.inc(len(prompt) * msg.n)
-
-    def _cancel(self, frontend: int, msg: Cancel) -> None:
-        """A stop string ended a choice, or the client aborted or went away. The frontend hears
-        back a `Finished` for each choice this ends (with its preemptions)."""
-        req = self.requests.get((frontend, msg.key))
-        if req is None:
-            return
-        ended = [s for s in req.seqs if msg.index in (-1, s.index)
-                 and self.scheduler.finish(s, msg.reason)]
-        if msg.reason == "abort":
-            self.metrics.request_errors.labels(code=ErrorCode.ABORTED.value).inc()
-            self.requests.pop((frontend, msg.key), None)
-            return
-        self.frontends.send(frontend, Outputs(finished=[
-            Finished(req.key, s.index, s.finish_reason, s.preemptions) for s in ended]), [b""])
-        if req.finished:
-            self._close(req)
-
-    def _report(self, msg: Report) -> None:
-        for code, count in msg.errors.items():
-            if code in ErrorCode._value2member_map_ and isinstance(count, int) and count > 0:
-                self.metrics.request_errors.labels(code=code).inc(count)
-        if msg.dropped:
-            self.metrics.dropped_messages.labels(socket="client").inc(msg.dropped)
-
-    def _fail(self, req: Request, code: ErrorCode, message: str) -> None:
-        for seq in req.seqs:
-            self.scheduler.finish(seq, "abort")
-        self.requests.pop((req.frontend, req.key), None)
-        self.metrics.request_errors.labels(code=code.value).inc()
-        self.frontends.send(req.frontend, Outputs(failed=[Failed(req.key, code.value, message)]),
-                            [b""])
-
-    def _close(self, req: Request) -> None:
-        """Every choice of `req` has ended: count it, forget it."""
-        self.requests.pop((req.frontend, req.key), None)
-        self.metrics.e2e.observe(time.monotonic() - req.arrival)
-        for seq in req.seqs:
-            self.metrics.requests.labels(finish_reason=seq.finish_reason).inc()
-            self.metrics.request_preemptions.observe(seq.preemptions)
+            self.requests.report(msg)
 
     # ---- scheduling and dispatch ------------------------------------------------------------
 
@@ -269,10 +204,7 @@ class EngineCore:
             if not sched:
                 return
             now = time.monotonic()
-            for seq, _ in sched.batch:
-                if seq.request.scheduled_time is None:
-                    seq.request.scheduled_time = now
-                    self.metrics.queue.observe(now - seq.request.arrival)
+            self.requests.scheduled(sched, now)
             self._count_preemptions(sched)
             self.workers.send(step_plan(self.next_step, sched))
             self.inflight[self.next_step] = InFlight(sched, now)
@@ -320,36 +252,7 @@ class EngineCore:
         if msg.park_seconds:
             self.metrics.park_seconds.observe(msg.park_seconds)
         out = self.scheduler.update_from_output(rec.sched, msg.seq_ids, msg.tokens)
-        self.metrics.generation_tokens.inc(len(out.tokens))
-        self._send_outputs(out, now)
-
-    def _send_outputs(self, out: StepOutput, now: float) -> None:
-        """Each frontend's share of a step: rows of (key, index, token), then what ended."""
-        rows: dict[int, array] = {}
-        touched: dict[int, Request] = {}
-        for seq, token in out.tokens:
-            req = seq.request
-            rows.setdefault(req.frontend, array("q")).extend((req.key, seq.index, token))
-            touched[id(req)] = req
-        for req in touched.values():  # once per step, so `n` choices do not time each other
-            if req.first_token_time is None:
-                req.first_token_time = now
-                self.metrics.ttft.observe(now - req.arrival)
-            else:
-                self.metrics.itl.observe(now - req.last_token_time)
-            req.last_token_time = now
-        finished: dict[int, list[Finished]] = {}
-        for seq in out.finished:
-            req = seq.request
-            finished.setdefault(req.frontend, []).append(
-                Finished(req.key, seq.index, seq.finish_reason, seq.preemptions))
-            if req.finished:
-                self._close(req)
-        for frontend in rows.keys() | finished.keys():
-            frame = rows.get(frontend, array("q"))
-            self.frontends.send(frontend, Outputs(n_rows=len(frame) // 3,
-                                                  finished=finished.get(frontend, [])),
-                                [frame.tobytes()])
+        self.requests.outputs(out, now)
 
     def _on_step_error(self, msg: StepError) -> None:
         rec = self.inflight.pop(msg.step, None)
@@ -359,18 +262,13 @@ class EngineCore:
         failed, recomputed = self.scheduler.fail_step(rec.sched, msg.seq_ids)
         self.metrics.preemptions.labels(action="recompute").inc(len(recomputed))
         for req in {id(s.request): s.request for s in failed}.values():
-            self._fail(req, ErrorCode.INTERNAL, msg.message)
+            self.requests.fail(req, ErrorCode.INTERNAL, msg.message)
 
     # ---- supervision ------------------------------------------------------------------------
 
     def _supervise(self, now: float) -> None:
         for h in self.frontends.dead():
-            lost = [r for r in self.requests.values() if r.frontend == h.index]
-            for req in lost:
-                for seq in req.seqs:
-                    self.scheduler.finish(seq, "abort")
-                self.requests.pop((req.frontend, req.key), None)
-            self.metrics.request_errors.labels(code=ErrorCode.ABORTED.value).inc(len(lost))
+            self.requests.drop_frontend(h.index)
             self.frontends.restart(h)
         if self.failed:
             return
@@ -395,41 +293,4 @@ class EngineCore:
             self.failed = f"{e}; the cluster cannot serve"
             log.error(self.failed)
             self.inflight.clear()
-            for req in list(self.requests.values()):
-                self._fail(req, ErrorCode.WORKER_FAILED, self.failed)
-
-    # ---- status and gauges ------------------------------------------------------------------
-
-    def status(self) -> dict:
-        c, s = self.config, self.scheduler
-        return {
-            "model": self.model.name if self.model else None,
-            "exact": c.exact,
-            "workers": self._workers_status(),
-            "workers_up": self.workers.n_up,
-            "frontends": self.frontends.describe(),
-            **self.metrics.figures(),
-            "pool": {"page_size": c.page_size, "pages_total": c.kv_pages,
-                     "pages_used": s.allocator.n_used, "pages_free": s.allocator.n_free},
-            "park": {"slots_total": s.park_slots.n_pages, "slots_used": s.park_slots.n_used},
-            "requests": {"running": len(s.running), "waiting": len(s.waiting),
-                         "parked": len(s.parked)},
-            "config": {k: v for k, v in asdict(c).items() if k != "curve_keys"},
-        }
-
-    def _workers_status(self) -> list[dict]:
-        workers = self.workers.describe()
-        total, steps = self.forward_seconds
-        for w in workers:  # only the last stage reports its forward time to the coordinator
-            last = w["rank"] == len(workers) - 1
-            w["forward_seconds_mean"] = total / steps if last and steps else None
-        return workers
-
-    def _update_gauges(self) -> None:
-        m, s = self.metrics, self.scheduler
-        m.requests_running.set(len(s.running))
-        m.requests_waiting.set(len(s.waiting))
-        m.kv_pages_used.set(s.allocator.n_used)
-        m.park_pages_used.set(s.park_slots.n_used)
-        m.requests_parked.set(len(s.parked))
-        m.workers_up.set(self.workers.n_up)
+            self.requests.fail_all(ErrorCode.WORKER_FAILED, self.failed)

@@ -63,6 +63,15 @@ class CoordinatorMetrics:
         for socket in ("client", "frontend", "worker"):
             self.dropped_messages.labels(socket=socket)
 
+    def set_gauges(self, scheduler, workers_up: int) -> None:
+        s = scheduler
+        self.requests_running.set(len(s.running))
+        self.requests_waiting.set(len(s.waiting))
+        self.requests_parked.set(len(s.parked))
+        self.kv_pages_used.set(s.allocator.n_used)
+        self.park_pages_used.set(s.park_slots.n_used)
+        self.workers_up.set(workers_up)
+
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
 

@@ -1,0 +1,148 @@
+"""The engine core's live requests, by (frontend, key): a frontend's `SUBMIT` becomes a
+`Request` in the scheduler, a step's tokens and endings go back to their frontends as
+`OUTPUTS`, and every request-level metric (tokens, queue time, TTFT, inter-token latency,
+end-to-end latency, finish reasons, errors) is counted here."""
+
+from __future__ import annotations
+
+import time
+from array import array
+
+from protocol.errors import ErrorCode
+from protocol.messages import Cancel, Failed, Finished, Outputs, Report, Submit
+
+from .frontends import FrontendGroup
+from .metrics import CoordinatorMetrics
+from .scheduler import Schedule, Scheduler, StepOutput
+from .sequence import Request
+
+
+class Requests:
+    def __init__(self, scheduler: Scheduler, frontends: FrontendGroup,
+                 metrics: CoordinatorMetrics, max_waiting: int):
+        self.scheduler = scheduler
+        self.frontends = frontends
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.live: dict[tuple[int, int], Request] = {}
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def submit(self, frontend: int, msg: Submit, frame: memoryview, vocab_size: int,
+               closed: tuple[ErrorCode, str] | None) -> None:
+        """Queue a request, or refuse it: `closed` says why the core takes none now."""
+        prompt = array("i")
+        if len(frame) != prompt.itemsize * msg.n_prompt:
+            return self._refuse(frontend, msg.key, ErrorCode.INVALID_REQUEST,
+                                "the prompt frame does not hold n_prompt ids")
+        prompt.frombytes(frame)
+        if max(prompt) >= vocab_size or min(prompt) < 0:
+            return self._refuse(frontend, msg.key, ErrorCode.INVALID_REQUEST,
+                                "the prompt has ids outside the vocabulary")
+        if closed is not None:
+            return self._refuse(frontend, msg.key, *closed)
+        if (frontend, msg.key) in self.live:
+            return self._refuse(frontend, msg.key, ErrorCode.INVALID_REQUEST,
+                                f"request key {msg.key} is already in use")
+        if len(self.scheduler.waiting) >= self.max_waiting:
+            return self._refuse(frontend, msg.key, ErrorCode.OVERLOADED,
+                                "too many requests are queued")
+        req = Request(frontend=frontend, key=msg.key, params=msg, prompt_ids=prompt.tolist(),
+                      arrival=msg.arrival)
+        self.scheduler.add_request(req)
+        self.live[(frontend, msg.key)] = req
+        self.metrics.prompt_tokens.inc(len(prompt) * msg.n)
+
+    def _refuse(self, frontend: int, key: int, code: ErrorCode, message: str) -> None:
+        self.metrics.request_errors.labels(code=code.value).inc()
+        self.frontends.send(frontend, Outputs(failed=[Failed(key, code.value, message)]), [b""])
+
+    def cancel(self, frontend: int, msg: Cancel) -> None:
+        """A stop string ended a choice, or the client aborted or went away. The frontend hears
+        back a `Finished` for each choice a stop ends (with its preemptions)."""
+        req = self.live.get((frontend, msg.key))
+        if req is None:
+            return
+        ended = [s for s in req.seqs if msg.index in (-1, s.index)
+                 and self.scheduler.finish(s, msg.reason)]
+        if msg.reason == "abort":
+            self.metrics.request_errors.labels(code=ErrorCode.ABORTED.value).inc()
+            self.live.pop((frontend, msg.key), None)
+            return
+        self.frontends.send(frontend, Outputs(finished=[
+            Finished(req.key, s.index, s.finish_reason, s.preemptions) for s in ended]), [b""])
+        if req.finished:
+            self._close(req)
+
+    def report(self, msg: Report) -> None:
+        """Counts only a frontend saw: requests it refused, client messages it dropped."""
+        for code, count in msg.errors.items():
+            if code in ErrorCode._value2member_map_ and isinstance(count, int) and count > 0:
+                self.metrics.request_errors.labels(code=code).inc(count)
+        if msg.dropped:
+            self.metrics.dropped_messages.labels(socket="client").inc(msg.dropped)
+
+    def fail(self, req: Request, code: ErrorCode, message: str) -> None:
+        for seq in req.seqs:
+            self.scheduler.finish(seq, "abort")
+        self.live.pop((req.frontend, req.key), None)
+        self.metrics.request_errors.labels(code=code.value).inc()
+        self.frontends.send(req.frontend, Outputs(failed=[Failed(req.key, code.value, message)]),
+                            [b""])
+
+    def fail_all(self, code: ErrorCode, message: str) -> None:
+        for req in list(self.live.values()):
+            self.fail(req, code, message)
+
+    def drop_frontend(self, frontend: int) -> None:
+        """A frontend died: its requests end (their clients hear nothing more)."""
+        lost = [r for r in self.live.values() if r.frontend == frontend]
+        for req in lost:
+            for seq in req.seqs:
+                self.scheduler.finish(seq, "abort")
+            self.live.pop((req.frontend, req.key), None)
+        self.metrics.request_errors.labels(code=ErrorCode.ABORTED.value).inc(len(lost))
+
+    def scheduled(self, sched: Schedule, now: float) -> None:
+        for seq, _ in sched.batch:
+            if seq.request.scheduled_time is None:
+                seq.request.scheduled_time = now
+                self.metrics.queue.observe(now - seq.request.arrival)
+
+    def outputs(self, out: StepOutput, now: float) -> None:
+        """Each frontend's share of a step: rows of (key, index, token), then what ended."""
+        self.metrics.generation_tokens.inc(len(out.tokens))
+        rows: dict[int, array] = {}
+        touched: dict[int, Request] = {}
+        for seq, token in out.tokens:
+            req = seq.request
+            rows.setdefault(req.frontend, array("q")).extend((req.key, seq.index, token))
+            touched[id(req)] = req
+        for req in touched.values():  # once per step, so `n` choices do not time each other
+            if req.first_token_time is None:
+                req.first_token_time = now
+                self.metrics.ttft.observe(now - req.arrival)
+            else:
+                self.metrics.itl.observe(now - req.last_token_time)
+            req.last_token_time = now
+        finished: dict[int, list[Finished]] = {}
+        for seq in out.finished:
+            req = seq.request
+            finished.setdefault(req.frontend, []).append(
+                Finished(req.key, seq.index, seq.finish_reason, seq.preemptions))
+            if req.finished:
+                self._close(req)
+        for frontend in rows.keys() | finished.keys():
+            frame = rows.get(frontend, array("q"))
+            self.frontends.send(frontend, Outputs(n_rows=len(frame) // 3,
+                                                  finished=finished.get(frontend, [])),
+                                [frame.tobytes()])
+
+    def _close(self, req: Request) -> None:
+        """Every choice of `req` has ended: count it, forget it."""
+        self.live.pop((req.frontend, req.key), None)
+        self.metrics.e2e.observe(time.monotonic() - req.arrival)
+        for seq in req.seqs:
+            self.metrics.requests.labels(finish_reason=seq.finish_reason).inc()
+            self.metrics.request_preemptions.observe(seq.preemptions)

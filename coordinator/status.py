@@ -1,0 +1,38 @@
+"""`status`: the cluster as the engine core sees it, for `siding status` and `Client.status`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from protocol.messages import ModelInfo
+
+from .config import CoordinatorConfig
+from .frontends import FrontendGroup
+from .metrics import CoordinatorMetrics
+from .scheduler import Scheduler
+from .worker_group import WorkerGroup
+
+
+def cluster_status(config: CoordinatorConfig, model: ModelInfo | None, scheduler: Scheduler,
+                   workers: WorkerGroup, frontends: FrontendGroup, metrics: CoordinatorMetrics,
+                   forward_seconds: list[float]) -> dict:
+    s = scheduler
+    total, steps = forward_seconds
+    described = workers.describe()
+    for w in described:  # only the last stage reports its forward time to the coordinator
+        last = w["rank"] == len(described) - 1
+        w["forward_seconds_mean"] = total / steps if last and steps else None
+    return {
+        "model": model.name if model else None,
+        "exact": config.exact,
+        "workers": described,
+        "workers_up": workers.n_up,
+        "frontends": frontends.describe(),
+        **metrics.figures(),
+        "pool": {"page_size": config.page_size, "pages_total": config.kv_pages,
+                 "pages_used": s.allocator.n_used, "pages_free": s.allocator.n_free},
+        "park": {"slots_total": s.park_slots.n_pages, "slots_used": s.park_slots.n_used},
+        "requests": {"running": len(s.running), "waiting": len(s.waiting),
+                     "parked": len(s.parked)},
+        "config": {k: v for k, v in asdict(config).items() if k != "curve_keys"},
+    }
