@@ -9,6 +9,7 @@ frontends. Nothing a frontend or worker sends can raise out of the loop.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -43,7 +44,9 @@ from .worker_group import StartupError, WorkerGroup
 
 log = logging.getLogger("siding.coordinator")
 
-SUPERVISE_SECONDS = 0.1
+# Worker deaths are found within 2 s and frontends' within 10 s. Every wake costs tens of
+# microseconds of CPU (a poll, the heartbeats): the idle loop wakes a few times a second.
+SUPERVISE_SECONDS = 0.5
 
 
 @dataclass
@@ -118,8 +121,12 @@ class EngineCore:
         self.ctx.destroy(linger=0)
 
     def serve(self, should_stop=lambda: False, drain_seconds: float = 30.0) -> None:
-        """Serve until should_stop() turns true, then drain for up to drain_seconds."""
-        poller = self._poller()
+        """Serve until should_stop() turns true, then drain for up to drain_seconds.
+
+        While no step is in flight the loop does not wake for the workers (only heartbeats can
+        come); supervision reads their socket twice a second."""
+        gc.freeze()  # what start-up made lives on: collections need not scan it again
+        busy, idle = self._poller(), self._poller(workers=False)
         drain_deadline = 0.0
         last_check = 0.0
         while True:
@@ -130,19 +137,21 @@ class EngineCore:
             if self.draining and (not self.requests or time.monotonic() > drain_deadline):
                 self.requests.fail_all(ErrorCode.ABORTED, "the server is shutting down")
                 return
-            busy = bool(self.scheduler.waiting or self.scheduler.running)
-            idle_device = busy and not self.inflight
-            self._poll(poller, 0 if idle_device else round(SUPERVISE_SECONDS * 1000))
-            self._dispatch()
+            idle_device = self.scheduler.has_work and not self.inflight
+            self._poll(busy if self.inflight else idle,
+                       0 if idle_device else round(SUPERVISE_SECONDS * 1000))
+            if self.scheduler.has_work:
+                self._dispatch()
             now = time.monotonic()
             if now - last_check > SUPERVISE_SECONDS:
                 last_check = now
                 self._supervise(now)
                 self.metrics.set_gauges(self.scheduler, self.workers.n_up)
 
-    def _poller(self) -> zmq.Poller:
+    def _poller(self, workers: bool = True) -> zmq.Poller:
         poller = zmq.Poller()
-        poller.register(self.worker_sock, zmq.POLLIN)
+        if workers:
+            poller.register(self.worker_sock, zmq.POLLIN)
         poller.register(self.frontends.sock, zmq.POLLIN)
         return poller
 
@@ -267,6 +276,7 @@ class EngineCore:
     # ---- supervision ------------------------------------------------------------------------
 
     def _supervise(self, now: float) -> None:
+        self._drain(self.worker_sock, "worker", self._on_worker)  # heartbeats first
         for h in self.frontends.dead():
             self.requests.drop_frontend(h.index)
             self.frontends.restart(h)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import logging
 import os
 import signal
@@ -25,12 +26,11 @@ from collections import Counter, deque
 
 import zmq
 
-from protocol import security
+from protocol import security, wire
 from protocol.errors import ErrorCode, ProtocolError, RequestError
 from protocol.messages import (
     Abort,
     Cancel,
-    Chunk,
     Error,
     FrontendHello,
     Generate,
@@ -53,7 +53,7 @@ from .text import TextCodec
 log = logging.getLogger("siding.frontend")
 
 KEEPALIVE_SECONDS = 1.0  # a request the client has not heard of for this long gets an empty chunk
-HEARTBEAT_SECONDS = 0.5  # to the core
+HEARTBEAT_SECONDS = 2.0  # to the core, whose deadline for a frontend is 10 s
 CLIENT_HWM = 100_000  # queued replies per client before it counts as not reading
 
 
@@ -78,6 +78,7 @@ class Frontend:
         self.by_client: dict[tuple[bytes, str], int] = {}  # (client, request id) -> key
         self.next_key = 0
         self.status_waiting: deque[bytes] = deque()  # clients waiting on the core's status
+        self.last_to_core = 0.0
         self.errors: Counter[str] = Counter()  # refused here, for the core's metrics
         self.dropped = 0
 
@@ -97,6 +98,7 @@ class Frontend:
         self.clients = self._bind(self.listen)
         endpoint = self.clients.getsockopt_string(zmq.LAST_ENDPOINT)
         self._to_core(Listening(index=self.index, endpoint=endpoint))
+        gc.freeze()  # the tokenizer and template live on: collections need not scan them again
         self._serve()
 
     def _bind(self, endpoint: str) -> zmq.Socket:
@@ -116,18 +118,19 @@ class Frontend:
         poller.register(self.clients, zmq.POLLIN)
         last_beat = last_check = 0.0
         while True:
-            events = dict(poller.poll(round(HEARTBEAT_SECONDS * 1000 / 2)))
+            events = dict(poller.poll(round(KEEPALIVE_SECONDS * 1000 / 2)))
             if self.core in events and self._drain_core():
                 return
             if self.clients in events:
                 self._drain_clients()
             now = time.monotonic()
-            if now - last_beat >= HEARTBEAT_SECONDS:
+            if now - last_beat >= HEARTBEAT_SECONDS / 2:
                 last_beat = now
-                self._to_core(Heartbeat(rank=self.index))
+                if now - self.last_to_core >= HEARTBEAT_SECONDS:  # anything sent is a sign of life
+                    self._to_core(Heartbeat(rank=self.index))
                 self._report()
                 self._check_parent()
-            if now - last_check >= KEEPALIVE_SECONDS / 4:
+            if now - last_check >= KEEPALIVE_SECONDS / 2:
                 last_check = now
                 self._keepalive(now)
 
@@ -145,6 +148,7 @@ class Frontend:
 
     def _to_core(self, msg, frames=()) -> None:
         self.core.send_multipart(encode(msg, frames))
+        self.last_to_core = time.monotonic()
 
     def _recv_core(self):
         try:
@@ -198,8 +202,8 @@ class Frontend:
     def _emit(self, out: RequestOutput) -> None:
         """Stream what is new, and send the result once the core has ended every choice."""
         if out.msg.stream:
-            for chunk in out.chunks():
-                if not self._send(out.client, chunk):
+            for frames in out.chunks():
+                if not self._send_frames(out.client, frames):
                     return
             out.last_sent = time.monotonic()
         if out.done:
@@ -287,9 +291,12 @@ class Frontend:
             arrival=arrival), [array("i", prompt).tobytes()])
 
     def _send(self, identity: bytes, msg) -> bool:
+        return self._send_frames(identity, encode(msg))
+
+    def _send_frames(self, identity: bytes, frames: list[bytes]) -> bool:
         """Send to a client; a client that is gone or not reading loses its requests."""
         try:
-            self.clients.send_multipart([identity, *encode(msg)], zmq.NOBLOCK)
+            wire.send(self.clients, [identity, *frames], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
             if e.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
@@ -304,7 +311,7 @@ class Frontend:
         for out in list(self.requests.values()):
             if now - out.last_sent >= KEEPALIVE_SECONDS:
                 out.last_sent = now
-                self._send(out.client, Chunk(request_id=out.msg.request_id))
+                self._send_frames(out.client, out.keepalive)
 
 
 def main(argv: list[str] | None = None) -> None:

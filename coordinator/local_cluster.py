@@ -16,8 +16,9 @@ import time
 
 class LocalCluster:
     def __init__(self, *launch_args: str, timeout: float = 600.0, quiet: bool = True,
-                 command: str = "launch"):
+                 command: str = "launch", root: str | None = None):
         self.args = list(launch_args)
+        self.root = root  # another checkout to run the cluster from (a benchmark's baseline)
         self.command = command  # "coordinator" waits for workers started elsewhere
         self.timeout = timeout
         self.quiet = quiet
@@ -41,9 +42,12 @@ class LocalCluster:
         if "--metrics-port" not in args:
             args += ["--metrics-port", "0"]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.root is not None:
+            env["PYTHONPATH"] = os.pathsep.join([self.root, *filter(None, [
+                os.environ.get("PYTHONPATH")])])
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "coordinator", self.command, *args], stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True, cwd=self.root,
         )
         threading.Thread(target=self._read_stderr, daemon=True).start()
         deadline = time.monotonic() + self.timeout

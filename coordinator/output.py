@@ -6,15 +6,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.messages import Choice, Chunk, Generate, Result, Usage
+from protocol.messages import Choice, Generate, Result, Usage
+from protocol.wire import ChunkFrames
 
 from .text import Detokenizer, TextCodec, find_stop
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ChoiceText:
     index: int
     detok: Detokenizer
+    frames: ChunkFrames
     token_ids: list[int] = field(default_factory=list)  # generated
     text: str = ""  # stop strings cut
     finish_reason: str | None = None
@@ -32,13 +34,16 @@ class RequestOutput:
         self.client = client  # the client's ROUTER identity
         self.msg = msg
         self.prompt_ids = prompt_ids
-        self.choices = [ChoiceText(i, Detokenizer(codec, prompt_ids)) for i in range(msg.n)]
+        self.choices = [ChoiceText(i, Detokenizer(codec, prompt_ids),
+                                   ChunkFrames(msg.request_id, i)) for i in range(msg.n)]
         self.hold = max((len(s) for s in msg.stop), default=1) - 1
         self.last_sent = 0.0  # when the client last heard of it (keepalives)
+        self.keepalive = self.choices[0].frames.encode([])  # an empty chunk
+        self.n_ended = 0  # choices the core has ended
 
     @property
     def done(self) -> bool:
-        return all(c.ended for c in self.choices)
+        return self.n_ended == len(self.choices)
 
     def add_token(self, index: int, token: int, stop_token: bool) -> bool:
         """A choice's next token (`stop_token`: the core ended the choice on it, so it is not
@@ -62,10 +67,12 @@ class RequestOutput:
         c = self.choices[index]
         if c.finish_reason is None:
             c.finish_reason = reason
-        c.ended, c.preemptions = True, preemptions
+        if not c.ended:
+            c.ended, c.preemptions = True, preemptions
+            self.n_ended += 1
 
-    def chunks(self) -> list[Chunk]:
-        """Chunks for what each choice produced since the last call."""
+    def chunks(self) -> list[list[bytes]]:
+        """CHUNK messages (their frames) for what each choice produced since the last call."""
         out = []
         for c in self.choices:
             done = c.finish_reason is not None
@@ -73,8 +80,7 @@ class RequestOutput:
             if c.final_sent or not (new_tokens or done):
                 continue
             upto = len(c.text) if done else max(c.sent_text, len(c.text) - self.hold)
-            out.append(Chunk(request_id=self.msg.request_id, index=c.index, token_ids=new_tokens,
-                             text=c.text[c.sent_text:upto], finish_reason=c.finish_reason))
+            out.append(c.frames.encode(new_tokens, c.text[c.sent_text:upto], c.finish_reason))
             c.sent_tokens, c.sent_text, c.final_sent = len(c.token_ids), upto, done
         return out
 

@@ -82,6 +82,10 @@ class Scheduler:
     def set_model(self, eos_ids: frozenset[int], max_context: int) -> None:
         self.eos_ids, self.max_context = eos_ids, max_context
 
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.parked)
+
     def pages_needed(self, seq: Sequence, n: int) -> int:
         return pages_for(seq.n_computed + n, self.page_size) - len(seq.pages)
 

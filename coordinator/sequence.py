@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from protocol.messages import Submit
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     frontend: int  # the frontend that submitted it
     key: int  # that frontend's name for it
@@ -30,7 +30,7 @@ class Request:
         return all(s.finish_reason is not None for s in self.seqs)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     id: int
     request: Request

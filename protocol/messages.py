@@ -67,13 +67,13 @@ def _field(default: Any = dataclasses.MISSING, **limits: Any) -> Any:
 # ---- client <-> coordinator -------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class ChatMessage:
     role: str = _field(max_len=64)
     content: str = _field(max_len=MAX_TEXT)
 
 
-@dataclass
+@dataclass(slots=True)
 class Generate:
     TYPE: ClassVar[MsgType] = MsgType.GENERATE
     request_id: str = _field(max_len=MAX_ID)
@@ -108,18 +108,18 @@ class Generate:
             raise ProtocolError("token ids must not be negative")
 
 
-@dataclass
+@dataclass(slots=True)
 class Abort:
     TYPE: ClassVar[MsgType] = MsgType.ABORT
     request_id: str = _field(max_len=MAX_ID)
 
 
-@dataclass
+@dataclass(slots=True)
 class Status:
     TYPE: ClassVar[MsgType] = MsgType.STATUS
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     TYPE: ClassVar[MsgType] = MsgType.CHUNK
     request_id: str = _field(max_len=MAX_ID)
@@ -129,7 +129,7 @@ class Chunk:
     finish_reason: str | None = _field(None, max_len=32)  # set on a choice's last chunk
 
 
-@dataclass
+@dataclass(slots=True)
 class Choice:
     index: int = _field(0, lo=0)
     token_ids: list[int] = _field([], max_len=MAX_TOKENS_LIST)
@@ -138,13 +138,13 @@ class Choice:
     preemptions: int = _field(0, lo=0)
 
 
-@dataclass
+@dataclass(slots=True)
 class Usage:
     prompt_tokens: int = _field(0, lo=0)
     completion_tokens: int = _field(0, lo=0)
 
 
-@dataclass
+@dataclass(slots=True)
 class Result:
     TYPE: ClassVar[MsgType] = MsgType.RESULT
     request_id: str = _field(max_len=MAX_ID)
@@ -153,13 +153,13 @@ class Result:
     usage: Usage = field(default_factory=Usage)
 
 
-@dataclass
+@dataclass(slots=True)
 class StatusReply:
     TYPE: ClassVar[MsgType] = MsgType.STATUS_REPLY
     status: dict = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class Error:
     TYPE: ClassVar[MsgType] = MsgType.ERROR
     code: str = _field(max_len=32)
@@ -170,7 +170,7 @@ class Error:
 # ---- coordinator <-> worker -------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class Register:
     TYPE: ClassVar[MsgType] = MsgType.REGISTER
     rank: int = _field(-1, lo=-1, hi=4095)  # -1: any rank
@@ -181,7 +181,7 @@ class Register:
     memory_bytes: int = _field(0, lo=0)  # free memory on its device
 
 
-@dataclass
+@dataclass(slots=True)
 class Assign:
     TYPE: ClassVar[MsgType] = MsgType.ASSIGN
     rank: int = _field(lo=0, hi=4095)
@@ -203,7 +203,7 @@ class Assign:
     metrics_port: int | None = _field(None, lo=0, hi=65535)
 
 
-@dataclass
+@dataclass(slots=True)
 class ModelInfo:
     name: str = _field(max_len=4096)
     n_layers: int = _field(lo=1)
@@ -216,7 +216,7 @@ class ModelInfo:
     eos_ids: list[int] = _field([], max_len=64)
 
 
-@dataclass
+@dataclass(slots=True)
 class Ready:
     TYPE: ClassVar[MsgType] = MsgType.READY
     rank: int = _field(lo=0)
@@ -227,13 +227,13 @@ class Ready:
     model: ModelInfo | None = _field(None)  # from rank 0 only
 
 
-@dataclass
+@dataclass(slots=True)
 class Heartbeat:
     TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
     rank: int = _field(lo=0)
 
 
-@dataclass
+@dataclass(slots=True)
 class Sampling:
     temperature: float = _field(0.0, lo=0.0)
     top_p: float = _field(1.0, lo=0.0, hi=1.0)
@@ -241,7 +241,7 @@ class Sampling:
     seed: int = _field(0, lo=0, hi=(1 << 63) - 1)
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqPlan:
     """One sequence's part of a step: `n` tokens at positions start .. start+n-1."""
 
@@ -253,7 +253,7 @@ class SeqPlan:
     sampling: Sampling | None = _field(None)  # the first time the worker sees this sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class PageMove:
     """Park (`pages` -> park `slots`) or restore (`slots` -> `pages`) one sequence's KV."""
 
@@ -262,7 +262,7 @@ class PageMove:
     slots: list[int] = _field([], max_len=MAX_LIST)
 
 
-@dataclass
+@dataclass(slots=True)
 class PageCopy:
     """Copy one page into another (the copy-on-write tail of a forked prompt)."""
 
@@ -270,7 +270,7 @@ class PageCopy:
     dst: int = _field(lo=0)
 
 
-@dataclass
+@dataclass(slots=True)
 class Step:
     """A step, applied in this order: free, park, restore, copies, then the sequences' rows."""
 
@@ -284,7 +284,7 @@ class Step:
     copies: list[PageCopy] = _field([], max_len=MAX_LIST)
 
 
-@dataclass
+@dataclass(slots=True)
 class StepResult:
     TYPE: ClassVar[MsgType] = MsgType.STEP_RESULT
     step: int = _field(lo=0)
@@ -294,7 +294,7 @@ class StepResult:
     park_seconds: float = _field(0.0, lo=0.0)  # parks and restores of this step, last stage
 
 
-@dataclass
+@dataclass(slots=True)
 class StepError:
     TYPE: ClassVar[MsgType] = MsgType.STEP_ERROR
     step: int = _field(lo=0)
@@ -303,12 +303,12 @@ class StepError:
     seq_ids: list[int] = _field([], max_len=MAX_LIST)  # the sequences at fault; [] = the step
 
 
-@dataclass
+@dataclass(slots=True)
 class Shutdown:
     TYPE: ClassVar[MsgType] = MsgType.SHUTDOWN
 
 
-@dataclass
+@dataclass(slots=True)
 class Activations:
     """Hidden states of one step, [T, dim], in the single raw frame that follows."""
 
@@ -324,14 +324,14 @@ class Activations:
 # ids. Request keys are the frontend's own integers; the core names a request by (frontend, key).
 
 
-@dataclass
+@dataclass(slots=True)
 class FrontendHello:
     TYPE: ClassVar[MsgType] = MsgType.FRONTEND_HELLO
     index: int = _field(lo=0, hi=4095)
     pid: int = _field(0, lo=0)
 
 
-@dataclass
+@dataclass(slots=True)
 class Serve:
     """Core -> frontend, once the workers are ready: what a frontend needs to admit requests."""
 
@@ -341,14 +341,14 @@ class Serve:
     page_size: int = _field(1, lo=1)
 
 
-@dataclass
+@dataclass(slots=True)
 class Listening:
     TYPE: ClassVar[MsgType] = MsgType.LISTENING
     index: int = _field(lo=0, hi=4095)
     endpoint: str = _field(max_len=256)
 
 
-@dataclass
+@dataclass(slots=True)
 class Submit:
     """A request as token ids; the prompt is the one raw frame (int32, `n_prompt` of them)."""
 
@@ -367,7 +367,7 @@ class Submit:
     arrival: float = _field(0.0)  # time.monotonic() when the frontend received it
 
 
-@dataclass
+@dataclass(slots=True)
 class Cancel:
     """Frontend -> core: stop a request's choice (`index`, or -1 for all of them), because a
     stop string ended it (`stop`) or its client aborted or went away (`abort`)."""
@@ -378,7 +378,7 @@ class Cancel:
     reason: str = _field("abort", max_len=16)
 
 
-@dataclass
+@dataclass(slots=True)
 class Finished:
     """A choice the core has ended. `stop` from the core means a stop token (EOS or one of
     `stop_token_ids`): the choice's token in the same message is that token, not text."""
@@ -389,14 +389,14 @@ class Finished:
     preemptions: int = _field(0, lo=0)
 
 
-@dataclass
+@dataclass(slots=True)
 class Failed:
     key: int = _field(lo=0)
     code: str = _field(max_len=32)
     message: str = _field(max_len=1 << 16)
 
 
-@dataclass
+@dataclass(slots=True)
 class Outputs:
     """Core -> frontend after a step: its tokens in one raw frame of int64 rows
     (key, index, token), `n_rows` of them, then the choices that ended and requests that
@@ -408,7 +408,7 @@ class Outputs:
     failed: list[Failed] = _field([], max_len=MAX_LIST)
 
 
-@dataclass
+@dataclass(slots=True)
 class Report:
     """Frontend -> core: what only the frontend saw, for the core's metrics (counts since the
     last report)."""

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgpack
+import zmq
 
 from .errors import ProtocolError
 from .messages import FRAMES, MESSAGES, MsgType, from_header, to_header
@@ -53,3 +54,38 @@ def decode(parts: Sequence[Any]) -> tuple[Any, list[memoryview]]:
 
 def _bytes(part: Any) -> bytes | memoryview:
     return part.buffer if hasattr(part, "buffer") else part
+
+
+_send = zmq.backend.Socket.send  # the Cython send, without the Python layer's checks per call
+
+
+def send(sock: zmq.Socket, parts: Sequence[bytes | memoryview], flags: int = 0) -> None:
+    """`sock.send_multipart(parts, flags)` at half its cost per message (measured on a 2-core VM,
+    4 small parts: 5-6 us against 10-14), for the frontends' stream chunks, one per token per
+    client. Raises zmq.ZMQError as send_multipart does; a multipart message is accepted or
+    refused whole at its first part."""
+    last = len(parts) - 1
+    for i, part in enumerate(parts):
+        _send(sock, part, flags | zmq.SNDMORE if i < last else flags)
+
+
+class ChunkFrames:
+    """One choice's CHUNK messages with the fixed fields (request id, index) packed once: a
+    streamed token then costs three small packs instead of a dataclass and its header map."""
+
+    _TYPE = bytes([MsgType.CHUNK])
+    _TEXT = msgpack.packb("text")
+    _FINISH = msgpack.packb("finish_reason")
+
+    def __init__(self, request_id: str, index: int):
+        self.pack = msgpack.Packer(use_bin_type=True).pack  # one per choice: no thread shares it
+        self.head = b"".join([b"\x85", self.pack("request_id"), self.pack(request_id),
+                              self.pack("index"), self.pack(index), self.pack("token_ids")])
+
+    def encode(self, token_ids: list[int], text: str = "",
+               finish_reason: str | None = None) -> list[bytes]:
+        """The frames of `Chunk(request_id, index, token_ids, text, finish_reason)`."""
+        pack = self.pack
+        header = b"".join([self.head, pack(token_ids), self._TEXT, pack(text), self._FINISH,
+                           pack(finish_reason)])
+        return [VERSION, self._TYPE, header]

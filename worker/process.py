@@ -47,7 +47,7 @@ from .runner import ModelRunner, SequenceFault
 
 log = logging.getLogger("siding.worker")
 
-HEARTBEAT_SECONDS = 0.25
+HEARTBEAT_SECONDS = 0.5  # the coordinator's deadline is 2 s; each beat wakes it
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -85,6 +85,7 @@ class Worker:
         self.push: zmq.Socket | None = None
         self.parent = os.getppid() if exit_with_parent else None
         self.stop = threading.Event()
+        self.last_result = 0.0  # time.monotonic() of the last STEP_RESULT, itself a sign of life
         self.plans: deque[Step] = deque()
         self.arrived: dict[int, Activations | tuple[Activations, torch.Tensor]] = {}
         self.rank = -1
@@ -320,6 +321,7 @@ class Worker:
             step=plan.step, seq_ids=seq_ids, tokens=tokens,
             forward_seconds=elapsed, park_seconds=park_seconds,
         )))
+        self.last_result = time.monotonic()
 
     def _forward_failure(self, step: int) -> None:
         if self.push is not None:
@@ -334,10 +336,13 @@ class Worker:
             return None
 
     def _heartbeat(self) -> None:
+        """Beats from a thread of its own, skipped while step results come more often: every
+        message wakes the coordinator's loop."""
         sock = self._dealer()
         try:
             while not self.stop.wait(HEARTBEAT_SECONDS):
-                sock.send_multipart(encode(Heartbeat(rank=self.rank)))
+                if time.monotonic() - self.last_result >= HEARTBEAT_SECONDS:
+                    sock.send_multipart(encode(Heartbeat(rank=self.rank)))
         finally:
             sock.close()
 

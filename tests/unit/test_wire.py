@@ -250,3 +250,29 @@ def test_generate_check_accepts_each_kind_of_prompt():
     Generate(request_id="r", prompt="x").check()
     Generate(request_id="r", prompt_token_ids=[0]).check()
     Generate(request_id="r", messages=[ChatMessage("user", "")]).check()
+
+
+@pytest.mark.parametrize("tokens,text,finish", [([5, 6], "hé 你好", "stop"), ([], "", None),
+                                                ([2**40], "x" * 70000, "length")])
+def test_chunk_frames_encode_the_chunk_the_dataclass_does(tokens, text, finish):
+    from protocol.wire import ChunkFrames
+
+    frames = ChunkFrames("r" * 128, 63).encode(tokens, text, finish)
+    assert decode(frames) == (Chunk("r" * 128, 63, tokens, text, finish), [])
+    assert frames == encode(Chunk("r" * 128, 63, tokens, text, finish))
+
+
+def test_send_delivers_what_send_multipart_does():
+    from protocol.wire import send
+
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://wire-send")
+        b.connect("inproc://wire-send")
+        send(a, encode(Activations(step=1, dtype="float32", shape=[1, 2]), [b"\x00" * 8]))
+        assert b.poll(2000)
+        assert decode(b.recv_multipart()) == (Activations(1, "float32", [1, 2]), [b"\x00" * 8])
+    finally:
+        a.close()
+        b.close()

@@ -1,0 +1,660 @@
+"""`siding bench serve`: a running cluster as a serving engine, measured at its client endpoint
+by concurrent streaming clients, beside the worker's own decode step rate at the same batch.
+
+Load comes from `--client-procs` client processes (`python -m benchmarks.serve --client`), each
+running its share of the streams on `protocol.AsyncClient`s and handing its per-request records
+back as JSON; client i uses endpoint i % N of the (comma-separated) endpoints the cluster reports.
+Two modes:
+
+- closed (`--concurrency 16,64`): C clients, each sending its next request when its last one
+  ends, starting spread over the first half of the warm-up (so that, with fixed lengths, they do
+  not finish and prefill in lockstep ever after);
+- open (`--rate 2,8`): Poisson arrivals at R requests/s, each request a task of its own.
+
+Every request is random token ids (no prefix is shared), `ignore_eos`, greedy, `max_tokens` its
+output length; lengths are fixed or uniform in [len/2, 3*len/2] (`--len-dist`), seeded. Each point
+runs `--warmup` seconds, not counted, then a measured window of `--duration` seconds (or until
+each client has sent `--requests-per-client` requests after the warm-up); requests in flight at
+its end finish (or, past DRAIN_S, are aborted) but their later tokens do not count. All clocks
+are CLOCK_MONOTONIC, which Linux shares across processes.
+
+Columns, per concurrency or rate:
+- in flight: requests sent and not yet ended, averaged over the window;
+- tok/s: tokens received by the clients in the window over its length; req/s: requests that
+  ended in it without an error;
+- in-proc tok/s: the ceiling, decode steps of the whole model in this process, batch the
+  concurrency (open loop: the mean in flight, at most --max-batch-seqs), context the prompt
+  length, KV on the device, CUDA graphs on CUDA; timed apart from the cluster, never while it
+  runs; "of in-proc" is tok/s over it;
+- ttft, itl (gaps between successive chunks of tokens of one request), e2e: p50 and p99 over
+  the requests sent in the window;
+- CPU microseconds per output token of the engine core, the frontends, the workers, and of all
+  but the workers (non-worker), from utime + stime in /proc/<pid>/stat at the window's ends
+  (the idle cluster's cores, read once before the first point, are in the record: at low
+  rates they are a good part of it); a second table gives each process, with the bench's own
+  client processes, and the cores it kept busy;
+- others cores: the cores the rest of the machine kept busy meanwhile (/proc/stat's busy time
+  less all of the above): on a shared machine, the load that skews the point;
+- errors: requests sent in the window that failed or were cut off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from coordinator.config import threads_per_worker
+from coordinator.local_cluster import LocalCluster
+from protocol import AsyncClient, RequestError
+from protocol.messages import SeqPlan, Step
+from worker.cuda_graphs import DecodeGraphs
+from worker.kv_pool import KVPool
+from worker.loaders import DEFAULT_MODEL, resolve
+from worker.model import StageModel
+from worker.park_store import ParkStore
+from worker.process import resolve_dtype
+from worker.runner import ModelRunner
+
+from .decode import LOWEST_PROMPT_ID, dtype_name
+from .kv_pipeline import quantiles
+from .link import sync
+from .report import (
+    Series,
+    Spread,
+    format_table,
+    machine_info,
+    progress,
+    result_paths,
+    timestamp,
+    write_json,
+    write_plot,
+)
+
+SCENARIO = "serve"
+PAGE_SIZE = 16  # `siding launch`'s default, for sizing --kv-pages and the in-process pool
+DRAIN_S = 60.0  # how long requests in flight at the window's end may take to finish
+START_S = 0.5  # from the go signal to the clients' first requests
+INPROCESS_WARMUP = 4  # untimed decode steps before the timed ones
+CLIENT_BUSY = 0.7  # cores a client process may keep busy before it may be what limits the load
+OTHERS_BUSY = 0.2  # cores the rest of the machine may keep busy before a point is called skewed
+IDLE_S = 2.0  # how long the idle cluster's CPU is read before the first point
+CLOCK_TICK = os.sysconf("SC_CLK_TCK")
+
+
+# ---- the cluster's processes and their CPU time ---------------------------------------------
+
+def stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat from field 3 (state) on; the name before it may hold spaces."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of every thread of `pid` (fields 14 and 15); None once it has gone."""
+    try:
+        fields = stat_fields(pid)
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICK
+
+
+def cluster_processes(core: int) -> dict[int, str]:
+    """pid -> name of `core` ("core") and every process below it: "worker R" (`-m worker`,
+    `--rank R`), "frontend I" (`--index I`), or "other PID" (helpers: counted as non-worker)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parents[int(entry)] = int(stat_fields(int(entry))[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, frontier = [], [core]
+    while frontier:
+        tree += frontier
+        frontier = sorted(p for p, parent in parents.items() if parent in frontier)
+    names = {core: "core"}
+    for pid in tree[1:]:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        line = " ".join(argv)
+        if " -m worker" in line:
+            names[pid] = f"worker {flag(argv, '--rank', f'pid {pid}')}"
+        elif "frontend" in line:
+            names[pid] = f"frontend {flag(argv, '--index', f'pid {pid}')}"
+        else:
+            names[pid] = f"other {pid}"
+    return names
+
+
+def flag(argv: list[str], name: str, default: str) -> str:
+    return argv[argv.index(name) + 1] if name in argv[:-1] else default
+
+
+def cpu_use(start: dict[int, tuple[str, float | None]], end: dict[int, tuple[str, float | None]],
+            tokens: int, window: float) -> list[dict[str, Any]]:
+    """Per process, CPU seconds between two readings, per output token and as busy cores. A
+    process first seen at the end started in the window: all its time is the window's."""
+    out = []
+    for pid, (name, last) in end.items():
+        first = start.get(pid, (name, 0.0))[1]
+        used = None if last is None or first is None else last - first
+        out.append({"pid": pid, "name": name, "cpu_s": used,
+                    "us_per_token": None if used is None or not tokens else used * 1e6 / tokens,
+                    "cores": None if used is None else used / window})
+    return out
+
+
+def read_cpu(names: dict[int, str]) -> dict[int, tuple[str, float | None]]:
+    return {pid: (name, cpu_seconds(pid)) for pid, name in names.items()}
+
+
+def idle_cores(core: int) -> dict[str, float]:
+    """Cores each cluster process keeps busy over IDLE_S seconds with nothing to do: the part
+    of its per-token CPU that is not per token."""
+    names = cluster_processes(core)
+    start = read_cpu(names)
+    time.sleep(IDLE_S)
+    return {c["name"]: c["cores"] for c in cpu_use(start, read_cpu(names), 0, IDLE_S)}
+
+
+def machine_busy() -> float:
+    """CPU seconds every core of the machine has spent busy (/proc/stat: user, nice, system,
+    irq, softirq), whoever it was for."""
+    with open("/proc/stat") as f:
+        user, nice, system, _, _, irq, softirq = map(int, f.readline().split()[1:8])
+    return (user + nice + system + irq + softirq) / CLOCK_TICK
+
+
+# ---- the load ---------------------------------------------------------------------------
+
+def poisson_arrivals(rate: float, seconds: float, rng: random.Random) -> list[float]:
+    """Arrival times in [0, seconds) of a Poisson process of `rate` per second."""
+    times, t = [], rng.expovariate(rate)
+    while t < seconds:
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+def draw_request(rng: random.Random, spec: dict[str, Any]) -> tuple[list[int], int]:
+    """(prompt token ids, output length) of one request."""
+    n, out = spec["prompt_len"], spec["output_len"]
+    if spec["len_dist"] == "uniform":
+        n = rng.randint(max(1, n // 2), n * 3 // 2)
+        out = rng.randint(max(1, out // 2), out * 3 // 2)
+    return [rng.randrange(LOWEST_PROMPT_ID, spec["vocab_size"]) for _ in range(n)], out
+
+
+async def one_request(client: AsyncClient, records: list[dict[str, Any]], who: int,
+                      prompt: list[int], output_len: int) -> None:
+    """Stream one request, recording into a record listed before it is sent, so that one cut
+    off (cancelled) still shows what it got, with `end` None."""
+    chunks: list[list[float]] = []  # [monotonic seconds, tokens in the chunk]
+    rec = {"client": who, "sent": time.monotonic(), "end": None, "chunks": chunks,
+           "prompt_len": len(prompt), "output_len": output_len, "error": None}
+    records.append(rec)
+    try:
+        async for chunk in client.stream(prompt_token_ids=prompt, max_tokens=output_len,
+                                         ignore_eos=True):
+            if chunk.token_ids:
+                chunks.append([time.monotonic(), len(chunk.token_ids)])
+    except RequestError as e:
+        rec["error"] = e.code
+    rec["end"] = time.monotonic()
+
+
+async def closed_client(client: AsyncClient, records: list[dict[str, Any]], c: int,
+                        spec: dict[str, Any], start: float, t0: float, t1: float | None) -> None:
+    """Requests one after another from `start`, until `t1`, or until `requests_per_client`
+    were sent from `t0` on."""
+    rng = random.Random(f"{spec['seed']}-closed-{c}")
+    limit, counted = spec["requests_per_client"], 0
+    await asyncio.sleep(max(0.0, start - time.monotonic()))
+    while (t1 is None or time.monotonic() < t1) and (limit is None or counted < limit):
+        if time.monotonic() >= t0:
+            counted += 1
+        await one_request(client, records, c, *draw_request(rng, spec))
+
+
+async def run_load(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """One client process's share of a point, from `spec["begin"]` on."""
+    endpoints, begin = spec["endpoints"], spec["begin"]
+    t0 = begin + spec["warmup"]
+    t1 = None if spec["duration"] is None else t0 + spec["duration"]
+    records: list[dict[str, Any]] = []
+    if spec["mode"] == "closed":
+        clients = {c: AsyncClient(endpoints[c % len(endpoints)]) for c in spec["clients"]}
+        n = spec["concurrency"]
+        tasks = [closed_client(client, records, c, spec, begin + spec["warmup"] / 2 * c / n,
+                               t0, t1) for c, client in clients.items()]
+    else:
+        clients = {i: AsyncClient(e) for i, e in enumerate(endpoints)}
+        tasks = [open_arrivals(clients, records, spec)]
+    for client in clients.values():
+        await client.status()  # connected before the clock starts
+    deadline = None if t1 is None else t1 + DRAIN_S - time.monotonic()
+    try:
+        await asyncio.wait_for(asyncio.gather(*tasks), deadline)
+    except asyncio.TimeoutError:
+        pass  # the cut-off requests are aborted and keep `end` None
+    for client in clients.values():
+        await client.close()
+    return records
+
+
+async def open_arrivals(clients: dict[int, AsyncClient], records: list[dict[str, Any]],
+                        spec: dict[str, Any]) -> None:
+    tasks = []
+    for j, at in spec["arrivals"]:
+        await asyncio.sleep(max(0.0, spec["begin"] + at - time.monotonic()))
+        rng = random.Random(f"{spec['seed']}-open-{j}")
+        tasks.append(asyncio.create_task(
+            one_request(clients[j % len(clients)], records, j, *draw_request(rng, spec))))
+    await asyncio.gather(*tasks)
+
+
+def client_main() -> None:
+    """A client process: a spec line on stdin, "ready", a go line with the start time, then the
+    load; "done" when it is over, then its records as one JSON line."""
+    spec = json.loads(sys.stdin.readline())
+    print("ready", flush=True)
+    spec["begin"] = float(sys.stdin.readline())
+    records = asyncio.run(run_load(spec))
+    print("done", flush=True)
+    print(json.dumps(records), flush=True)
+
+
+def run_point(spec: dict[str, Any], procs: int, core: int) -> dict[str, Any]:
+    """One concurrency or rate: `procs` client processes, the CPU of every cluster process and
+    of theirs around the window, and the window's records."""
+    shares = []
+    for k in range(procs):
+        share = dict(spec)
+        if spec["mode"] == "closed":
+            share["clients"] = list(range(k, spec["concurrency"], procs))
+        else:
+            share["arrivals"] = spec["arrivals"][k::procs]
+        shares.append(share)
+    clients = [subprocess.Popen([sys.executable, "-m", "benchmarks.serve", "--client"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for _ in shares]
+    try:
+        for proc, share in zip(clients, shares):
+            proc.stdin.write(json.dumps(share) + "\n")
+            proc.stdin.flush()
+        for proc in clients:
+            expect(proc, "ready")
+        begin = time.monotonic() + START_S
+        for proc in clients:
+            proc.stdin.write(f"{begin!r}\n")
+            proc.stdin.close()
+        t0 = begin + spec["warmup"]
+        time.sleep(max(0.0, t0 - time.monotonic()))
+        names = cluster_processes(core) | {p.pid: f"bench client {k}"
+                                           for k, p in enumerate(clients)}
+        start = read_cpu(names), machine_busy()
+        if spec["duration"] is not None:
+            t1 = t0 + spec["duration"]
+            time.sleep(max(0.0, t1 - time.monotonic()))
+            end = read_cpu(names | cluster_processes(core)), machine_busy()
+        for proc in clients:
+            expect(proc, "done")
+        if spec["duration"] is None:
+            end = read_cpu(names | cluster_processes(core)), machine_busy()
+        records = []
+        for proc in clients:
+            records += json.loads(proc.stdout.read())
+            if proc.wait():
+                raise RuntimeError(f"a client process exited with status {proc.returncode}")
+    finally:
+        for proc in clients:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if spec["duration"] is None:
+        t1 = max(r["end"] for r in records if r["sent"] >= t0)
+    point = summarise(records, t0, t1)
+    point["cpu"] = cpu_use(start[0], end[0], point["output_tokens"], t1 - t0)
+    point["machine_cores"] = (end[1] - start[1]) / (t1 - t0)
+    ours = sum(c["cores"] or 0.0 for c in point["cpu"])
+    point["others_cores"] = max(0.0, point["machine_cores"] - ours)  # whole ticks: may dip below
+    return point | cpu_by_kind(point["cpu"], point["output_tokens"])
+
+
+def expect(proc: subprocess.Popen, word: str) -> None:
+    line = proc.stdout.readline().strip()
+    if line != word:
+        raise RuntimeError(f"a client process said {line!r} where {word!r} was due (its "
+                           "errors, if any, are above)")
+
+
+def cpu_by_kind(cpu: list[dict[str, Any]], tokens: int) -> dict[str, float | None]:
+    """CPU microseconds per token of the cluster's core, frontends, workers, other processes,
+    and of all but the workers; None where nothing was measured (no such process, one gone, no
+    tokens). The bench's own clients are not the cluster's."""
+    kinds = {kind: [p["cpu_s"] for p in cpu if p["name"].startswith(kind)]
+             for kind in ("core", "frontend", "worker", "other")}
+    kinds["non_worker"] = kinds["core"] + kinds["frontend"] + kinds["other"]
+    return {f"{kind}_us_per_token": None if not used or None in used or not tokens
+            else sum(used) * 1e6 / tokens for kind, used in kinds.items()}
+
+
+def summarise(records: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any]:
+    """A point's figures from its requests' records; the window is [t0, t1]."""
+    window = t1 - t0
+    tokens = sum(n for r in records for t, n in r["chunks"] if t0 <= t <= t1)
+    ended = [r for r in records
+             if r["error"] is None and r["end"] is not None and t0 <= r["end"] <= t1]
+    in_flight = sum(max(0.0, min(t1, r["end"] or t1) - max(t0, r["sent"])) for r in records)
+    measured = [r for r in records if t0 <= r["sent"] <= t1]
+    complete = [r for r in measured if r["error"] is None and r["end"] is not None]
+    ttft = [r["chunks"][0][0] - r["sent"] for r in complete if r["chunks"]]
+    itl = [b[0] - a[0] for r in complete for a, b in zip(r["chunks"], r["chunks"][1:])]
+    e2e = [r["end"] - r["sent"] for r in complete]
+    return {
+        "window_s": window, "output_tokens": tokens, "output_tps": tokens / window,
+        "requests_ended": len(ended), "requests_per_s": len(ended) / window,
+        "mean_in_flight": in_flight / window,
+        "ttft_s": quantiles(ttft) if ttft else None, "itl_s": quantiles(itl) if itl else None,
+        "e2e_s": quantiles(e2e) if e2e else None,
+        "errors": sum(r["error"] is not None for r in measured),
+        "cut_off": sum(r["end"] is None for r in measured),
+        "requests": [{"client": r["client"], "sent_s": r["sent"] - t0,
+                      "e2e_s": None if r["end"] is None else r["end"] - r["sent"],
+                      "ttft_s": r["chunks"][0][0] - r["sent"] if r["chunks"] else None,
+                      "tokens": sum(n for _, n in r["chunks"]), "output_len": r["output_len"],
+                      "prompt_len": r["prompt_len"], "error": r["error"]} for r in measured],
+    }
+
+
+# ---- the ceiling --------------------------------------------------------------------------
+
+def inprocess_decode(stage: StageModel, batch: int, context: int, steps: int, dtype: torch.dtype,
+                     device: torch.device, cuda_graphs: bool) -> dict[str, Any]:
+    """Decode steps of `batch` sequences at `context`, as the worker runs them: a ModelRunner
+    over device KV (zeros: the values do not change a step's time), graphs on CUDA."""
+    a = stage.args
+    per_seq = -(-(context + INPROCESS_WARMUP + steps) // PAGE_SIZE)
+    pool = KVPool(a.n_layers, batch * per_seq, PAGE_SIZE, a.n_kv_heads, a.head_dim, dtype,
+                  device)
+    graphs = None
+    if cuda_graphs and device.type == "cuda":
+        try:
+            graphs = DecodeGraphs(stage, pool, device)
+        except ValueError as e:
+            progress(SCENARIO, f"in-process decode runs eagerly: {e}")
+        else:
+            graphs.prepare(batch)
+    runner = ModelRunner(stage, pool, ParkStore(pool, 1), device, graphs)
+    tokens = [LOWEST_PROMPT_ID % a.vocab_size] * batch
+    for k in range(INPROCESS_WARMUP + steps):
+        if k == INPROCESS_WARMUP:
+            sync(device)
+            t0, busy, mine = time.perf_counter(), machine_busy(), cpu_seconds(os.getpid())
+        plan = Step(step=k, token_ids=tokens, seqs=[
+            SeqPlan(id=i, start=context + k, n=1, sample=True,
+                    pages_add=list(range(i * per_seq, (i + 1) * per_seq)) if k == 0 else [])
+            for i in range(batch)])
+        meta = runner.apply(plan)
+        _, tokens = runner.sample(plan, meta, runner.forward(plan, meta, None))
+    seconds = time.perf_counter() - t0
+    others = machine_busy() - busy - (cpu_seconds(os.getpid()) - mine)
+    del runner, graphs, pool
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"batch": batch, "context": context, "steps": steps, "seconds": seconds,
+            "tps": batch * steps / seconds, "others_cores": max(0.0, others / seconds)}
+
+
+# ---- the command --------------------------------------------------------------------------
+
+def positive_list(kind: type) -> Callable[[str], list]:
+    def parse(text: str) -> list:
+        try:
+            values = sorted({kind(x) for x in text.split(",") if x.strip()})
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not comma-separated numbers: {text}") from None
+        if not values or values[0] <= 0:
+            raise argparse.ArgumentTypeError(f"values must be positive: {text}")
+        return values
+    return parse
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="siding bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="any `siding launch --model` spec")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N (or one per worker, commas)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--worker-threads", type=int, default=0,
+                   help="torch threads per worker and in-process (0: the cores shared out)")
+    p.add_argument("--frontends", type=int, default=1, help="`siding launch --frontends`")
+    p.add_argument("--kv-pages", type=int, default=0, help="0: enough for every sequence")
+    p.add_argument("--max-batch-seqs", type=int, default=0,
+                   help="0: 64, or the largest concurrency if more")
+    p.add_argument("--extra", default="", help="more `siding launch` flags, one string")
+    p.add_argument("--mode", default="closed", choices=["closed", "open"])
+    p.add_argument("--concurrency", type=positive_list(int), default="16,64",
+                   help="closed loop: concurrent clients, comma-separated")
+    p.add_argument("--rate", type=positive_list(float), default=None,
+                   help="open loop: requests/s, comma-separated")
+    p.add_argument("--duration", type=float, default=20.0, help="measured seconds per point")
+    p.add_argument("--warmup", type=float, default=5.0, help="seconds per point before it")
+    p.add_argument("--requests-per-client", type=int, default=None,
+                   help="closed loop: stop each client after this many requests past the "
+                   "warm-up instead of after --duration")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--len-dist", default="fixed", choices=["fixed", "uniform"],
+                   help="uniform: each length in [len/2, 3*len/2]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--client-procs", type=int, default=0,
+                   help="client processes (0: 1 up to 64 streams, else min(8, cores/2))")
+    p.add_argument("--inprocess-steps", type=int, default=32)
+    p.add_argument("--no-inprocess", dest="inprocess", action="store_false",
+                   help="skip the in-process decode ceiling")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="in-process decode runs eagerly (pass the launch flag with --extra)")
+    p.add_argument("--baseline", metavar="DIR", default=None,
+                   help="also load a cluster run from another checkout (say `git worktree add "
+                   "DIR main`), point by point after this tree's: a side-by-side A/B")
+    p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
+    a = p.parse_args(argv)
+    if a.mode == "open" and a.rate is None:
+        p.error("--mode open needs --rate")
+    if a.mode == "open" and a.requests_per_client is not None:
+        p.error("--requests-per-client is for the closed loop")
+    for name in ("prompt_len", "output_len", "workers", "frontends", "inprocess_steps",
+                 "requests_per_client"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if a.duration <= 0 or a.warmup < 0:
+        p.error("--duration must be positive and --warmup not negative")
+    biggest = max(a.concurrency) if a.mode == "closed" else 0
+    a.max_batch_seqs = a.max_batch_seqs or max(64, biggest)
+    return a
+
+
+def longest_request(a: argparse.Namespace) -> int:
+    """Prompt plus output positions of the longest request `draw_request` can draw."""
+    if a.len_dist == "uniform":
+        return a.prompt_len * 3 // 2 + a.output_len * 3 // 2
+    return a.prompt_len + a.output_len
+
+
+def cluster_args(a: argparse.Namespace, dtype: torch.dtype, threads: int) -> list[str]:
+    pages = a.kv_pages or max(1024, a.max_batch_seqs * -(-longest_request(a) // PAGE_SIZE))
+    return [
+        "--model", a.model, "--devices", a.device, "--workers", str(a.workers),
+        "--dtype", dtype_name(dtype), "--kv-pages", str(pages),
+        "--max-batch-seqs", str(a.max_batch_seqs), "--worker-threads", str(threads),
+        *(["--frontends", str(a.frontends)] if a.frontends != 1 else []),
+        *shlex.split(a.extra),
+    ]
+
+
+def default_procs(streams: int) -> int:
+    return 1 if streams <= 64 else min(8, max(1, (os.cpu_count() or 1) // 2))
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--client"]:
+        client_main()
+        return
+    a = parse_args(argv)
+    stamp = timestamp()
+    device = torch.device(a.device.split(",")[0])
+    dtype = resolve_dtype(a.dtype, str(device))
+    threads = a.worker_threads or threads_per_worker(a.workers)
+    model_args = resolve(a.model).args
+    if longest_request(a) > model_args.max_context:
+        raise ValueError(f"a prompt and its output may exceed the model's context of "
+                         f"{model_args.max_context}")
+    launch = cluster_args(a, dtype, threads)
+    xs = a.concurrency if a.mode == "closed" else a.rate
+    xname = "concurrency" if a.mode == "closed" else "rate"
+    base = {"mode": a.mode, "warmup": a.warmup, "prompt_len": a.prompt_len,
+            "output_len": a.output_len, "len_dist": a.len_dist, "seed": a.seed,
+            "vocab_size": model_args.vocab_size,
+            "duration": a.duration if a.requests_per_client is None else None,
+            "requests_per_client": a.requests_per_client}
+    machine = machine_info(str(device))
+    arms = {"siding": None, **({"baseline": a.baseline} if a.baseline else {})}
+    points = []
+    idle = {}
+    with contextlib.ExitStack() as stack:
+        clusters = {}
+        for arm, root in arms.items():
+            progress(SCENARIO, f"starting {arm} ({root or 'this tree'}): {' '.join(launch)}")
+            clusters[arm] = stack.enter_context(LocalCluster(*launch, root=root))
+            idle[arm] = idle_cores(clusters[arm].proc.pid)
+            progress(SCENARIO, f"idle {arm} cluster: " + ", ".join(
+                f"{name} {cores:.3f}" for name, cores in idle[arm].items()) + " cores")
+        for x, (arm, cluster) in itertools.product(xs, clusters.items()):
+            spec = dict(base, concurrency=x, endpoints=cluster.endpoint.split(",")) \
+                if a.mode == "closed" else dict(
+                base, rate=x, endpoints=cluster.endpoint.split(","),
+                arrivals=list(enumerate(poisson_arrivals(
+                    x, a.warmup + a.duration, random.Random(f"{a.seed}-arrivals-{x}")))))
+            procs = a.client_procs or default_procs(x if a.mode == "closed" else a.max_batch_seqs)
+            progress(SCENARIO, f"{arm}, {xname} {x:g}: {a.warmup:g} s warm-up, then "
+                     + (f"{a.duration:g} s" if spec["duration"] else f"{a.requests_per_client} "
+                        "requests per client") + f", {procs} client process(es)")
+            point = {"arm": arm, xname: x, "client_procs": procs,
+                     **run_point(spec, procs, cluster.proc.pid)}
+            points.append(point)
+            progress(SCENARIO, f"{arm}, {xname} {x:g}: {point['output_tps']:.1f} tok/s, "
+                     f"{point['requests_per_s']:.2f} req/s, {point['errors']} errors")
+            busiest = max(c["cores"] or 0.0 for c in point["cpu"]
+                          if c["name"].startswith("bench client"))
+            if busiest > CLIENT_BUSY:
+                progress(SCENARIO, f"warning: a client process kept {busiest:.2f} cores busy; "
+                         "the clients may be the bottleneck (raise --client-procs)")
+            if point["others_cores"] > OTHERS_BUSY:
+                progress(SCENARIO, f"warning: other processes kept {point['others_cores']:.2f} "
+                         "cores busy in the window; this point is skewed")
+    if a.inprocess:
+        torch.set_num_threads(threads)
+        add_ceilings(points, xname, a, dtype, device)
+
+    machine["load_average_end"] = list(os.getloadavg())
+    record = {
+        "scenario": SCENARIO, "command": " ".join(["siding", "bench", SCENARIO, *argv]),
+        "started": stamp, "config": vars(a) | {"dtype": str(dtype), "threads": threads,
+                                               "cluster": launch},
+        "machine": machine, "idle_cores": idle, "baseline": a.baseline,
+        "model": {"spec": a.model, "vocab_size": model_args.vocab_size},
+        "points": points,
+    }
+    json_path, png_path = result_paths(a.out, SCENARIO, stamp)
+    write_json(json_path, record)
+    series = [Series(f"{arm} cluster (clients)", xs, [Spread.of([p["output_tps"]])
+                                                      for p in points if p["arm"] == arm])
+              for arm in arms]
+    if a.inprocess:
+        series.append(Series("in-process decode", xs, [Spread.of([p["inprocess"]["tps"]])
+                                                       for p in points if p["arm"] == "siding"]))
+    write_plot(png_path, series,
+               title=f"serve ({a.mode} loop): {a.model}, {dtype_name(dtype)}, "
+                     f"{machine['device_name']}\nprompt {a.prompt_len}, output {a.output_len} "
+                     f"({a.len_dist}), {a.workers} worker(s), {a.frontends} frontend(s)",
+               xlabel="concurrent clients" if a.mode == "closed" else "arrivals (requests/s)",
+               ylabel="output tokens/s")
+    print(table(points, xname))
+    print(process_table(points, xname))
+    print(f"results: {json_path}, {png_path}")
+
+
+def add_ceilings(points: list[dict[str, Any]], xname: str, a: argparse.Namespace,
+                 dtype: torch.dtype, device: torch.device) -> None:
+    """Each point's in-process decode rate (one measurement per batch size) and its ratio."""
+    progress(SCENARIO, f"in-process decode: loading {a.model} ({dtype_name(dtype)}, {device})")
+    source = resolve(a.model)
+    stage = source.load_stage(0, source.args.n_layers, dtype, device)
+    ceilings: dict[int, dict[str, Any]] = {}
+    for p in points:
+        batch = p[xname] if a.mode == "closed" else min(
+            a.max_batch_seqs, max(1, round(p["mean_in_flight"])))
+        if batch not in ceilings:
+            ceilings[batch] = inprocess_decode(stage, batch, a.prompt_len, a.inprocess_steps,
+                                               dtype, device, a.cuda_graphs)
+            progress(SCENARIO, f"in-process batch {batch}: {ceilings[batch]['tps']:.1f} tok/s "
+                     f"(the rest of the machine: {ceilings[batch]['others_cores']:.2f} cores)")
+        p["inprocess"] = ceilings[batch]
+        p["of_inprocess"] = p["output_tps"] / ceilings[batch]["tps"]
+    del stage
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def table(points: list[dict[str, Any]], xname: str) -> str:
+    def ms(q: dict[str, float] | None, scale: float = 1e3, digits: int = 0) -> str:
+        return "-" if q is None else f"{q['p50'] * scale:.{digits}f}/{q['p99'] * scale:.{digits}f}"
+
+    def us(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f}"
+
+    headers = ["arm", xname, "in flight", "tok/s", "in-proc tok/s", "of in-proc", "req/s",
+               "ttft p50/p99 ms", "itl p50/p99 ms", "e2e p50/p99 s", "core us/tok",
+               "frontend us/tok", "worker us/tok", "non-worker us/tok", "others cores",
+               "errors"]
+    rows = [[
+        p["arm"], f"{p[xname]:g}", f"{p['mean_in_flight']:.1f}", f"{p['output_tps']:.1f}",
+        f"{p['inprocess']['tps']:.1f}" if "inprocess" in p else "-",
+        f"{p['of_inprocess']:.1%}" if "inprocess" in p else "-",
+        f"{p['requests_per_s']:.2f}", ms(p["ttft_s"]), ms(p["itl_s"], digits=1),
+        ms(p["e2e_s"], 1, 2), us(p["core_us_per_token"]), us(p["frontend_us_per_token"]),
+        us(p["worker_us_per_token"]), us(p["non_worker_us_per_token"]),
+        f"{p['others_cores']:.2f}", p["errors"] + p["cut_off"],
+    ] for p in points]
+    return format_table(headers, rows)
+
+
+def process_table(points: list[dict[str, Any]], xname: str) -> str:
+    rows = [[f"{p['arm']} {p[xname]:g}" if i == 0 else "", c["name"], c["pid"],
+             "-" if c["cpu_s"] is None else f"{c['cpu_s']:.2f}",
+             "-" if c["cores"] is None else f"{c['cores']:.2f}",
+             "-" if c["us_per_token"] is None else f"{c['us_per_token']:.0f}"]
+            for p in points for i, c in enumerate(p["cpu"])]
+    return format_table([xname, "process", "pid", "cpu s", "cores", "us/tok"], rows)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

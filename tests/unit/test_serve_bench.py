@@ -1,0 +1,119 @@
+"""`siding bench serve`: the load it generates, the window's accounting, the CPU it reads from
+/proc, and one small run on a real cluster whose record holds what the report prints."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks import serve
+
+
+def test_poisson_arrivals_repeat_with_the_seed_and_average_the_rate():
+    times = serve.poisson_arrivals(50.0, 100.0, random.Random(7))
+    assert times == serve.poisson_arrivals(50.0, 100.0, random.Random(7))
+    assert times != serve.poisson_arrivals(50.0, 100.0, random.Random(8))
+    assert times == sorted(times) and 0 < times[0] and times[-1] < 100.0
+    assert abs(len(times) - 5000) < 300  # 4 standard deviations of a Poisson count of 5000
+
+
+def test_requests_are_fixed_or_uniform_in_half_to_three_halves_with_ids_from_100():
+    spec = {"prompt_len": 20, "output_len": 8, "len_dist": "fixed", "vocab_size": 130}
+    ids, out = serve.draw_request(random.Random(0), spec)
+    assert (len(ids), out) == (20, 8) and all(100 <= i < 130 for i in ids)
+    rng = random.Random(0)
+    drawn = [serve.draw_request(rng, spec | {"len_dist": "uniform"}) for _ in range(400)]
+    assert {len(ids) for ids, _ in drawn} == set(range(10, 31))
+    assert {out for _, out in drawn} == set(range(4, 13))
+
+
+def test_proc_cpu_seconds_of_this_process_match_process_time_and_the_machine_counts_them():
+    before, machine = serve.cpu_seconds(os.getpid()), serve.machine_busy()
+    clock = time.process_time()
+    while time.process_time() - clock < 0.3:
+        pass
+    used = serve.cpu_seconds(os.getpid()) - before
+    assert used == pytest.approx(time.process_time() - clock, abs=0.05)
+    assert serve.machine_busy() - machine > used - 0.05
+
+
+def test_cluster_processes_name_workers_by_rank_and_frontends_below_the_core():
+    sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
+    children = [subprocess.Popen([*sleep, "-m", "worker", "--rank", "3"]),
+                subprocess.Popen([*sleep, "-m", "coordinator.frontend", "--index", "1"]),
+                subprocess.Popen(sleep)]
+    try:
+        names = serve.cluster_processes(os.getpid())
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    assert names[os.getpid()] == "core"
+    assert [names[c.pid] for c in children] == ["worker 3", "frontend 1",
+                                                f"other {children[2].pid}"]
+    assert serve.cpu_seconds(children[0].pid) is None  # gone
+
+
+def test_cpu_per_token_counts_a_new_process_whole_and_a_gone_one_as_unknown():
+    start = {1: ("core", 1.0), 2: ("worker 0", 5.0), 3: ("other 3", 2.0)}
+    end = {1: ("core", 1.5), 2: ("worker 0", 7.0), 3: ("other 3", None),
+           4: ("frontend 0", 0.25), 5: ("bench client 0", 0.75)}
+    cpu = serve.cpu_use(start, end, tokens=1000, window=2.0)
+    assert [(c["name"], c["cpu_s"], c["us_per_token"], c["cores"]) for c in cpu] == [
+        ("core", 0.5, 500.0, 0.25), ("worker 0", 2.0, 2000.0, 1.0), ("other 3", None, None, None),
+        ("frontend 0", 0.25, 250.0, 0.125), ("bench client 0", 0.75, 750.0, 0.375)]
+    assert serve.cpu_by_kind(cpu, 1000) == {
+        "core_us_per_token": 500.0, "frontend_us_per_token": 250.0,
+        "worker_us_per_token": 2000.0, "other_us_per_token": None,
+        "non_worker_us_per_token": None}
+    assert serve.cpu_by_kind(cpu[:2], 1000)["non_worker_us_per_token"] == 500.0
+    assert serve.cpu_by_kind(cpu[:2], 1000)["frontend_us_per_token"] is None
+
+
+def test_window_counts_its_tokens_and_times_the_requests_sent_in_it():
+    def rec(sent, chunks, end, error=None):
+        return {"client": 0, "sent": sent, "chunks": chunks, "end": end, "error": error,
+                "prompt_len": 4, "output_len": sum(n for _, n in chunks)}
+
+    records = [
+        rec(9.0, [[9.5, 1], [10.5, 1], [11.0, 2]], 11.0),  # sent in the warm-up
+        rec(12.0, [[12.5, 1], [13.0, 1], [14.0, 1]], 14.0),
+        rec(19.0, [[19.5, 1], [21.0, 1]], 21.0),  # its second token comes after the window
+        rec(15.0, [], 15.125, error="overloaded"),
+        rec(19.5, [[20.5, 1]], None),  # cut off
+    ]
+    p = serve.summarise(records, 10.0, 20.0)
+    assert (p["output_tokens"], p["output_tps"]) == (7, 0.7)
+    assert (p["requests_ended"], p["requests_per_s"]) == (2, 0.2)
+    assert p["mean_in_flight"] == pytest.approx((1 + 2 + 1 + 0.125 + 0.5) / 10)
+    assert p["ttft_s"]["p50"] == 0.5 and p["e2e_s"] == {"p50": 2.0, "p90": 2.0, "p99": 2.0}
+    assert p["itl_s"] == {"p50": 1.0, "p90": 1.5, "p99": 1.5}  # gaps 0.5, 1.0, 1.5: nearest rank
+    assert (p["errors"], p["cut_off"]) == (1, 1)
+    assert [r["tokens"] for r in p["requests"]] == [3, 2, 0, 1]
+
+
+def test_a_closed_loop_run_streams_every_token_and_charges_the_core_cpu(tmp_path, capsys):
+    serve.main(["--model", "synthetic:tiny", "--concurrency", "2", "--duration", "3",
+                "--warmup", "1", "--output-len", "8", "--prompt-len", "16",
+                "--inprocess-steps", "4", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("serve-*.json")
+    assert (tmp_path / path.name.replace(".json", ".png")).is_file()
+    record = json.loads(path.read_text())
+    assert record["command"].startswith("siding bench serve --model synthetic:tiny")
+    assert record["machine"]["cpu_count"] >= 1 and record["config"]["concurrency"] == [2]
+    (point,) = record["points"]
+    assert point["concurrency"] == 2 and point["output_tps"] > 0
+    assert point["requests"] and point["errors"] == point["cut_off"] == 0
+    assert all(r["tokens"] == r["output_len"] == 8 for r in point["requests"])
+    assert {r["client"] for r in point["requests"]} == {0, 1}
+    assert point["core_us_per_token"] > 0 and point["worker_us_per_token"] > 0
+    assert point["ttft_s"]["p50"] <= point["e2e_s"]["p50"]
+    assert point["inprocess"]["batch"] == 2 and point["inprocess"]["tps"] > 0
+    assert point["of_inprocess"] == pytest.approx(point["output_tps"] / point["inprocess"]["tps"])
+    assert "non-worker us/tok" in capsys.readouterr().out
