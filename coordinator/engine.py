@@ -103,7 +103,7 @@ class EngineCore:
             if not self.workers.ready:
                 self.workers.check_startup()
             for h in self.frontends.dead():
-                raise StartupError(f"frontend {h.index} exited during start-up")
+                raise StartupError(f"frontend {h.index} stopped during start-up")
 
     def _on_workers_ready(self) -> None:
         self.model = self.workers.model

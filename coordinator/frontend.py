@@ -86,13 +86,15 @@ class Frontend:
 
     def run(self) -> None:
         self._to_core(FrontendHello(index=self.index, pid=os.getpid()))
-        while self.serve_msg is None:
+        while self.serve_msg is None:  # the workers load meanwhile: minutes, for a large model
             if self.core.poll(500):
                 msg, _ = self._recv_core()
                 if isinstance(msg, Serve):
                     self.serve_msg = msg
                 elif isinstance(msg, Shutdown):
                     return
+            if time.monotonic() - self.last_to_core >= HEARTBEAT_SECONDS:
+                self._to_core(Heartbeat(rank=self.index))
             self._check_parent()
         self.codec = TextCodec(self.serve_msg.model)
         self.clients = self._bind(self.listen)

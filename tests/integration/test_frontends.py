@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
+from coordinator.config import CoordinatorConfig
+from coordinator.local_cluster import LocalCluster
 from protocol import Client, RequestError
 
 PROMPT = [72, 101, 108, 108, 111]
+FRONTEND_TIMEOUT = CoordinatorConfig.frontend_timeout
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +94,28 @@ def test_a_killed_frontend_is_restarted_and_its_streams_fail_at_once(cluster):
         time.sleep(0.2)
         with Client(other_ep, timeout=30) as c:
             status = c.status()
+
+
+def test_frontends_outlive_a_start_up_longer_than_their_liveness_deadline():
+    """Workers may take minutes to load; a frontend waiting to serve still counts as alive."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cluster = LocalCluster("--model", "synthetic:tiny", "--workers", "1", "--frontends", "2",
+                           "--worker-listen", f"tcp://127.0.0.1:{port}", command="coordinator",
+                           timeout=120)
+    started = threading.Thread(target=cluster.start)
+    started.start()
+    time.sleep(FRONTEND_TIMEOUT + 2)  # no worker yet: the cluster cannot be ready
+    worker = subprocess.Popen([sys.executable, "-m", "worker", "--coordinator",
+                               f"tcp://127.0.0.1:{port}", "--rank", "0"])
+    try:
+        started.join(120)
+        assert cluster.endpoint, "the cluster did not come up"
+        with Client(cluster.endpoint, timeout=60) as c:
+            assert len(c.generate(prompt_token_ids=PROMPT, max_tokens=4,
+                                  ignore_eos=True).token_ids) == 4
+            assert [f["restarts"] for f in c.status()["frontends"]] == [0, 0]
+    finally:
+        cluster.stop()
+        worker.wait(30)
