@@ -121,6 +121,9 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     a("--max-batch-seqs", type=int, default=64)
     a("--max-batch-tokens", type=int, default=512)
     a("--preempt-every", type=int, default=0)
+    a("--prefill-hold-ms", type=int, default=0,
+      help="while sequences decode, new prompts wait up to this long (or until they fill half "
+      "a step's rows) and prefill together, so most steps decode only: throughput for TTFT")
     a("--listen", default=DEFAULT_ENDPOINT,
       help="client endpoint; with --frontends N, up to N comma-separated (frontends past them "
       "take ports of the system's choosing on the first one's host)")
@@ -147,6 +150,7 @@ def config_from_args(args: argparse.Namespace):
         page_size=args.page_size,
         kv_pages=args.kv_pages, park_pages=args.park_pages, max_batch_seqs=args.max_batch_seqs,
         max_batch_tokens=args.max_batch_tokens, preempt_every=args.preempt_every,
+        prefill_hold_ms=args.prefill_hold_ms,
         listen=args.listen, frontends=args.frontends, worker_listen=args.worker_listen,
         metrics_port=args.metrics_port or None, curve_keys=args.curve_keys,
         insecure=args.insecure, spawn_workers=args.spawn, worker_threads=args.worker_threads,

@@ -31,6 +31,7 @@ class CoordinatorConfig:
     max_batch_seqs: int = 64
     max_batch_tokens: int = 512
     preempt_every: int = 0
+    prefill_hold_ms: int = 0  # new prompts may wait this long while others decode (0: never)
     listen: str = "tcp://127.0.0.1:5555"  # client endpoints: one, or one per frontend (a,b,...)
     frontends: int = 1  # processes that serve clients (text, streaming) beside the engine core
     worker_listen: str = "tcp://127.0.0.1:5556"
@@ -73,6 +74,7 @@ class CoordinatorConfig:
         need(self.max_batch_seqs >= 1, "--max-batch-seqs must be at least 1")
         need(self.max_batch_tokens >= 1, "--max-batch-tokens must be at least 1")
         need(self.preempt_every >= 0, "--preempt-every must be >= 0")
+        need(0 <= self.prefill_hold_ms <= 10_000, "--prefill-hold-ms must be in [0, 10000]")
         need(1 <= self.frontends <= 64, "--frontends must be in [1, 64]")
         given = self.listen.split(",")
         need(len(given) <= self.frontends,

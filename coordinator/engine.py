@@ -74,7 +74,7 @@ class EngineCore:
         self.scheduler = Scheduler(PageAllocator(config.kv_pages),
                                    PageAllocator(config.park_pages), config.page_size,
                                    config.max_batch_seqs, config.max_batch_tokens,
-                                   config.preempt_every)
+                                   config.preempt_every, config.prefill_hold_ms / 1000)
         self.requests = Requests(self.scheduler, self.frontends, self.metrics,
                                  config.max_waiting)
         self.inflight: dict[int, InFlight] = {}

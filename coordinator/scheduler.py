@@ -17,6 +17,7 @@ frontend cancels it (a stop string, a client gone) or its step fails.
 from __future__ import annotations
 
 import secrets
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -61,13 +62,15 @@ class StepOutput:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, park_slots: PageAllocator, page_size: int,
-                 max_batch_seqs: int, max_batch_tokens: int, preempt_every: int = 0):
+                 max_batch_seqs: int, max_batch_tokens: int, preempt_every: int = 0,
+                 prefill_hold: float = 0.0):
         self.allocator = allocator
         self.park_slots = park_slots
         self.page_size = page_size
         self.max_batch_seqs = max_batch_seqs
         self.max_batch_tokens = max_batch_tokens
         self.preempt_every = preempt_every  # test knob: park everyone every K decode steps
+        self.prefill_hold = prefill_hold  # seconds new prompts may wait while others decode
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.parked: deque[Sequence] = deque()  # oldest parked first
@@ -281,6 +284,8 @@ class Scheduler:
             if self._reserve(seq, n):
                 out.batch.append((seq, n))
                 budget -= n
+        if out.batch and all(n == 1 for _, n in out.batch) and self._hold_prefills():
+            return out  # a decode-only step
         while self.waiting and len(out.batch) < self.max_batch_seqs and budget > 0:
             seq = self.waiting[0]
             n = self.rows(seq, budget)
@@ -291,6 +296,17 @@ class Scheduler:
             out.batch.append((seq, n))
             budget -= n
         return out
+
+    def _hold_prefills(self) -> bool:
+        """`prefill_hold`: while sequences decode, keep new prompts back until the oldest has
+        waited that long or they would fill half a step's rows, so that most steps decode only
+        (and replay CUDA graphs) and prompts prefill together. Costs their first token up to
+        `prefill_hold` seconds."""
+        if not self.prefill_hold or not self.waiting:
+            return False
+        if time.monotonic() - self.waiting[0].request.arrival >= self.prefill_hold:
+            return False
+        return sum(s.n_remaining for s in self.waiting) < self.max_batch_tokens // 2
 
     @staticmethod
     def _preempted(seq: Sequence, out: Schedule) -> bool:

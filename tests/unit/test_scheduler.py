@@ -1,3 +1,5 @@
+import time
+
 from coordinator.page_allocator import PageAllocator
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import Request, Sequence
@@ -143,3 +145,35 @@ def test_fork_shares_full_prompt_pages_and_copies_the_tail():
     for q in (parent, *kids):
         s.remove(q)
     assert s.allocator.n_used == 0
+
+
+def test_with_a_prefill_hold_new_prompts_wait_while_others_decode_then_join_together():
+    s = Scheduler(PageAllocator(64), PageAllocator(64), 4, 8, 64, prefill_hold=60.0)
+    a = make_seq(0, 3)
+    a.request.arrival = time.monotonic()
+    s.add(a)
+    finish_step(s.schedule())  # nothing decodes yet: a prefills at once
+    b, c = make_seq(1, 3), make_seq(2, 3)
+    for q in (b, c):
+        q.request.arrival = time.monotonic()
+        s.add(q)
+    assert [(x.id, n) for x, n in s.schedule().batch] == [(0, 1)]  # b and c wait
+    a.n_computed, a.token_ids = 3, a.token_ids[:3] + [7]
+    big = make_seq(3, 30)  # with it the waiting prompts fill half of the 64 rows
+    big.request.arrival = time.monotonic()
+    s.add(big)
+    assert [x.id for x, _ in s.schedule().batch] == [0, 1, 2, 3]
+
+
+def test_a_held_prompt_joins_once_it_has_waited_the_hold():
+    s = Scheduler(PageAllocator(64), PageAllocator(64), 4, 8, 64, prefill_hold=0.05)
+    a = make_seq(0, 3)
+    s.add(a)
+    finish_step(s.schedule())
+    b = make_seq(1, 3)
+    b.request.arrival = time.monotonic()
+    s.add(b)
+    assert [x.id for x, _ in s.schedule().batch] == [0]
+    a.n_computed, a.token_ids = 3, a.token_ids[:3] + [7]
+    time.sleep(0.06)
+    assert [x.id for x, _ in s.schedule().batch] == [0, 1]
