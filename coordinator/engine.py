@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from protocol import security
-from protocol.errors import ErrorCode, ProtocolError
+from protocol import security, wire
+from protocol.errors import ErrorCode
 from protocol.messages import (
     Cancel,
     Ready,
@@ -30,7 +30,7 @@ from protocol.messages import (
     StepResult,
     Submit,
 )
-from protocol.wire import MAX_MESSAGE_BYTES, decode
+from protocol.wire import MAX_MESSAGE_BYTES
 
 from .config import CoordinatorConfig
 from .frontends import FrontendGroup
@@ -163,22 +163,15 @@ class EngineCore:
             self._drain(self.frontends.sock, "frontend", self._on_frontend)
 
     def _drain(self, sock: zmq.Socket, where: str, handle) -> None:
-        for _ in range(1000):
+        def guarded(identity: bytes, msg, frames) -> None:
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                msg, frames = decode(parts[1:])
-            except ProtocolError as e:
-                self._dropped(where, e)
-                continue
-            try:
-                handle(parts[0].bytes, msg, frames)
+                handle(identity, msg, frames)
             except StartupError:
                 raise
             except Exception:  # a bug must not take the loop down; say so loudly
                 log.exception("failed to handle %s from a %s", type(msg).__name__, where)
+
+        wire.drain(sock, guarded, lambda identity, e: self._dropped(where, e))
 
     def _dropped(self, where: str, e: Exception) -> None:
         self.metrics.dropped_messages.labels(socket=where).inc()
@@ -276,7 +269,8 @@ class EngineCore:
     # ---- supervision ------------------------------------------------------------------------
 
     def _supervise(self, now: float) -> None:
-        self._drain(self.worker_sock, "worker", self._on_worker)  # heartbeats first
+        if not self.inflight:  # the loop did not poll the workers: read their heartbeats
+            self._drain(self.worker_sock, "worker", self._on_worker)
         for h in self.frontends.dead():
             self.requests.drop_frontend(h.index)
             self.frontends.restart(h)

@@ -225,24 +225,17 @@ class Frontend:
     # ---- clients ----------------------------------------------------------------------------
 
     def _drain_clients(self) -> None:
-        for _ in range(1000):
-            try:
-                parts = self.clients.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            identity = parts[0].bytes
-            try:
-                msg, _ = decode(parts[1:])
-            except ProtocolError as e:
-                self._drop(identity, e.message)
-                continue
-            try:
-                self._on_client(identity, msg)
-            except Exception:  # a bug must not take the frontend down; say so loudly
-                log.exception("failed to handle %s", type(msg).__name__)
-                self.errors[ErrorCode.INTERNAL.value] += 1
-                self._send(identity, Error(code="internal", message="internal error",
-                                           request_id=getattr(msg, "request_id", None)))
+        wire.drain(self.clients, self._on_client_guarded,
+                   lambda identity, e: self._drop(identity, e.message))
+
+    def _on_client_guarded(self, identity: bytes, msg, frames) -> None:
+        try:
+            self._on_client(identity, msg)
+        except Exception:  # a bug must not take the frontend down; say so loudly
+            log.exception("failed to handle %s", type(msg).__name__)
+            self.errors[ErrorCode.INTERNAL.value] += 1
+            self._send(identity, Error(code="internal", message="internal error",
+                                       request_id=getattr(msg, "request_id", None)))
 
     def _drop(self, identity: bytes, message: str) -> None:
         self.dropped += 1

@@ -39,11 +39,10 @@ class RequestOutput:
         self.hold = max((len(s) for s in msg.stop), default=1) - 1
         self.last_sent = 0.0  # when the client last heard of it (keepalives)
         self.keepalive = self.choices[0].frames.encode([])  # an empty chunk
-        self.n_ended = 0  # choices the core has ended
 
     @property
     def done(self) -> bool:
-        return self.n_ended == len(self.choices)
+        return all(c.ended for c in self.choices)
 
     def add_token(self, index: int, token: int, stop_token: bool) -> bool:
         """A choice's next token (`stop_token`: the core ended the choice on it, so it is not
@@ -67,9 +66,7 @@ class RequestOutput:
         c = self.choices[index]
         if c.finish_reason is None:
             c.finish_reason = reason
-        if not c.ended:
-            c.ended, c.preemptions = True, preemptions
-            self.n_ended += 1
+        c.ended, c.preemptions = True, preemptions
 
     def chunks(self) -> list[list[bytes]]:
         """CHUNK messages (their frames) for what each choice produced since the last call."""

@@ -83,10 +83,14 @@ class Requests:
         if msg.dropped:
             self.metrics.dropped_messages.labels(socket="client").inc(msg.dropped)
 
-    def fail(self, req: Request, code: ErrorCode, message: str) -> None:
+    def _abort(self, req: Request) -> None:
+        """End every choice of `req` before its time and forget it (not counted as finished)."""
         for seq in req.seqs:
             self.scheduler.finish(seq, "abort")
         self.live.pop((req.frontend, req.key), None)
+
+    def fail(self, req: Request, code: ErrorCode, message: str) -> None:
+        self._abort(req)
         self.metrics.request_errors.labels(code=code.value).inc()
         self.frontends.send(req.frontend, Outputs(failed=[Failed(req.key, code.value, message)]),
                             [b""])
@@ -99,9 +103,7 @@ class Requests:
         """A frontend died: its requests end (their clients hear nothing more)."""
         lost = [r for r in self.live.values() if r.frontend == frontend]
         for req in lost:
-            for seq in req.seqs:
-                self.scheduler.finish(seq, "abort")
-            self.live.pop((req.frontend, req.key), None)
+            self._abort(req)
         self.metrics.request_errors.labels(code=ErrorCode.ABORTED.value).inc(len(lost))
 
     def scheduled(self, sched: Schedule, now: float) -> None:

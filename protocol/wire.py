@@ -69,6 +69,24 @@ def send(sock: zmq.Socket, parts: Sequence[bytes | memoryview], flags: int = 0) 
         _send(sock, part, flags | zmq.SNDMORE if i < last else flags)
 
 
+def drain(sock: zmq.Socket, handle, malformed, limit: int = 1000) -> None:
+    """What a ROUTER holds now (at most `limit` messages, so one busy peer cannot hold a loop):
+    `handle(identity, msg, frames)` for each message that decodes, `malformed(identity, error)`
+    for each that does not."""
+    for _ in range(limit):
+        try:
+            parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        identity = parts[0].bytes
+        try:
+            msg, frames = decode(parts[1:])
+        except ProtocolError as e:
+            malformed(identity, e)
+            continue
+        handle(identity, msg, frames)
+
+
 class ChunkFrames:
     """One choice's CHUNK messages with the fixed fields (request id, index) packed once: a
     streamed token then costs three small packs instead of a dataclass and its header map."""
