@@ -130,6 +130,13 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     a("--frontends", type=int, default=1,
       help="frontend processes (client sockets, tokenization, text, streaming); `ready` lists "
       "their endpoints, comma-separated, and clients given that list spread over them")
+    a("--http", default=None, metavar="HOST:PORT",
+      help="also serve the OpenAI-compatible HTTP API there (for example 127.0.0.1:8000; off "
+      "unless given); every frontend serves it, sharing the port")
+    a("--api-key", default=None, metavar="KEY",
+      help="bearer token the HTTP API asks for (needed for a non-loopback --http)")
+    a("--api-key-file", default=None, metavar="PATH",
+      help="read the API key from PATH (keeps it off the command line)")
     a("--worker-listen", default="tcp://127.0.0.1:5556")
     a("--metrics-port", type=int, default=9400,
       help="coordinator metrics port P (worker i: P+1+i); 0 turns the metrics endpoints off")
@@ -151,10 +158,21 @@ def config_from_args(args: argparse.Namespace):
         kv_pages=args.kv_pages, park_pages=args.park_pages, max_batch_seqs=args.max_batch_seqs,
         max_batch_tokens=args.max_batch_tokens, preempt_every=args.preempt_every,
         prefill_hold_ms=args.prefill_hold_ms,
-        listen=args.listen, frontends=args.frontends, worker_listen=args.worker_listen,
+        listen=args.listen, frontends=args.frontends, http=args.http, api_key=_api_key(args),
+        worker_listen=args.worker_listen,
         metrics_port=args.metrics_port or None, curve_keys=args.curve_keys,
         insecure=args.insecure, spawn_workers=args.spawn, worker_threads=args.worker_threads,
     )
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        from pathlib import Path
+
+        return Path(args.api_key_file).read_text().strip()
+    return args.api_key
 
 
 def cmd_launch(args: argparse.Namespace) -> None:
@@ -179,6 +197,8 @@ def cmd_launch(args: argparse.Namespace) -> None:
         if args.write_prometheus_config and not config.spawn_workers:  # now their hosts are known
             hosts = [_host(h.reg.data_endpoint) for h in engine.workers.handles]
             _write_prometheus_config(args.write_prometheus_config, config, hosts)
+        if engine.frontends.http_urls:
+            print(f"http {engine.frontends.http_urls}", flush=True)
         print(f"ready {engine.endpoint}", flush=True)
         engine.serve(should_stop=stop.is_set)
     finally:

@@ -34,6 +34,8 @@ class CoordinatorConfig:
     prefill_hold_ms: int = 0  # new prompts may wait this long while others decode (0: never)
     listen: str = "tcp://127.0.0.1:5555"  # client endpoints: one, or one per frontend (a,b,...)
     frontends: int = 1  # processes that serve clients (text, streaming) beside the engine core
+    http: str | None = None  # HOST:PORT of the OpenAI-compatible HTTP API (off when None)
+    api_key: str | None = field(default=None, repr=False)  # bearer token the HTTP API asks for
     worker_listen: str = "tcp://127.0.0.1:5556"
     metrics_port: int | None = 9400
     curve_keys: str | None = None
@@ -76,6 +78,15 @@ class CoordinatorConfig:
         need(self.preempt_every >= 0, "--preempt-every must be >= 0")
         need(0 <= self.prefill_hold_ms <= 10_000, "--prefill-hold-ms must be in [0, 10000]")
         need(1 <= self.frontends <= 64, "--frontends must be in [1, 64]")
+        if self.http is not None:
+            from protocol.security import check_http_bind
+
+            from .http.address import parse_address
+
+            host, _ = parse_address(self.http)
+            check_http_bind(host, self.api_key, self.insecure)
+        need(self.api_key is None or self.api_key.strip() == self.api_key != "",
+             "--api-key must be non-empty, without surrounding whitespace")
         given = self.listen.split(",")
         need(len(given) <= self.frontends,
              f"--listen names {len(given)} endpoints for {self.frontends} frontend(s)")

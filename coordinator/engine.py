@@ -109,7 +109,7 @@ class EngineCore:
         self.model = self.workers.model
         self.scheduler.set_model(frozenset(self.model.eos_ids), self.model.max_context)
         self.frontends.serve(Serve(model=self.model, kv_pages=self.config.kv_pages,
-                                   page_size=self.config.page_size))
+                                   page_size=self.config.page_size, exact=self.config.exact))
         self.metrics.workers_up.set(self.workers.n_up)
         log.info("%d workers ready", self.workers.n_up)
 
@@ -192,7 +192,7 @@ class EngineCore:
         elif isinstance(msg, Status):
             self.frontends.send(h.index, StatusReply(status=cluster_status(
                 self.config, self.model, self.scheduler, self.workers, self.frontends,
-                self.metrics, self.forward_seconds)))
+                self.metrics, self.forward_seconds, self.failed, self.draining)))
         elif isinstance(msg, Report):
             self.requests.report(msg)
 

@@ -47,11 +47,13 @@ from protocol.messages import (
 from protocol.wire import MAX_MESSAGE_BYTES, decode, encode
 
 from .admission import check_fits, prompt_ids
+from .http.server import HttpServer
 from .output import RequestOutput
 from .text import TextCodec
 
 log = logging.getLogger("siding.frontend")
 
+HTTP_ENDPOINT = "inproc://http"  # where this process's HTTP API reaches it as a client
 KEEPALIVE_SECONDS = 1.0  # a request the client has not heard of for this long gets an empty chunk
 HEARTBEAT_SECONDS = 2.0  # to the core, whose deadline for a frontend is 10 s
 CLIENT_HWM = 100_000  # queued replies per client before it counts as not reading
@@ -59,9 +61,10 @@ CLIENT_HWM = 100_000  # queued replies per client before it counts as not readin
 
 class Frontend:
     def __init__(self, core: str, index: int, listen: str, curve_keys: str | None,
-                 insecure: bool, exit_with_parent: bool):
+                 insecure: bool, exit_with_parent: bool, http: HttpServer | None = None):
         security.check_bind(listen, curve_keys, insecure)
         self.index = index
+        self.http = http
         self.listen = listen
         self.curve_keys = curve_keys
         self.parent = os.getppid() if exit_with_parent else None
@@ -99,7 +102,11 @@ class Frontend:
         self.codec = TextCodec(self.serve_msg.model)
         self.clients = self._bind(self.listen)
         endpoint = self.clients.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._to_core(Listening(index=self.index, endpoint=endpoint))
+        if self.http is not None:  # a client like any other, over inproc (no CURVE there)
+            self.clients.bind(HTTP_ENDPOINT)
+            self.http.start(self.ctx, HTTP_ENDPOINT, self.serve_msg)
+        self._to_core(Listening(index=self.index, endpoint=endpoint,
+                                http=self.http.url if self.http else None))
         gc.freeze()  # the tokenizer and template live on: collections need not scan them again
         self._serve()
 
@@ -137,6 +144,8 @@ class Frontend:
                 self._keepalive(now)
 
     def close(self) -> None:
+        if self.http is not None:
+            self.http.stop()
         if self.auth is not None:
             self.auth.stop()
         self.ctx.destroy(linger=0)
@@ -318,12 +327,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--curve-keys", default=None)
     p.add_argument("--insecure", action="store_true")
     p.add_argument("--exit-with-parent", action="store_true")
+    p.add_argument("--http", default=None, metavar="HOST:PORT",
+                   help="also serve the OpenAI API there (its key, if any, in SIDING_API_KEY)")
     p.add_argument("--debug", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s frontend {a.index} %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the core drains on Ctrl-C, then stops us
-    frontend = Frontend(a.core, a.index, a.listen, a.curve_keys, a.insecure, a.exit_with_parent)
+    http = None
+    if a.http is not None:
+        try:
+            http = HttpServer(a.http, os.environ.pop("SIDING_API_KEY", None), a.insecure)
+        except (OSError, ValueError) as e:
+            log.error("%s", e)
+            raise SystemExit(1) from None
+    frontend = Frontend(a.core, a.index, a.listen, a.curve_keys, a.insecure, a.exit_with_parent,
+                        http)
     try:
         frontend.run()
     finally:

@@ -8,6 +8,7 @@ enter, so the file system is what authenticates them; nothing on it leaves the m
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,8 @@ class FrontendHandle:
     process: subprocess.Popen | None = None
     identity: bytes | None = None
     endpoint: str | None = None  # where clients reach it, once it listens
+    http: str | None = None  # --http as given; once it listens, HOST:PORT it got
+    http_url: str | None = None
     last_seen: float = 0.0
     restarts: int = 0
 
@@ -52,7 +55,8 @@ class FrontendGroup:
         self.sock.setsockopt(zmq.SNDHWM, OUTPUT_HWM)
         self.sock.setsockopt(zmq.RCVHWM, OUTPUT_HWM)
         self.sock.bind(f"ipc://{self.dir}/core")
-        self.handles = [FrontendHandle(i, ep) for i, ep in enumerate(config.client_endpoints())]
+        self.handles = [FrontendHandle(i, ep, http=config.http)
+                        for i, ep in enumerate(config.client_endpoints())]
         self.serve_msg: Serve | None = None
 
     @property
@@ -68,6 +72,12 @@ class FrontendGroup:
         """What clients are given: every frontend's endpoint, comma-separated."""
         return ",".join(h.endpoint or h.listen for h in self.handles)
 
+    @property
+    def http_urls(self) -> str | None:
+        """The OpenAI API's URLs, comma-separated (one, when the frontends share a port)."""
+        urls = dict.fromkeys(h.http_url for h in self.handles if h.http_url)
+        return ",".join(urls) or None
+
     def spawn_all(self) -> None:
         for h in self.handles:
             self._spawn(h)
@@ -80,7 +90,12 @@ class FrontendGroup:
             cmd += ["--curve-keys", c.curve_keys]
         if c.insecure:
             cmd += ["--insecure"]
-        h.process = subprocess.Popen(cmd)
+        env = None
+        if h.http is not None:
+            cmd += ["--http", h.http]
+            if c.api_key is not None:  # not on the command line, where `ps` shows it
+                env = dict(os.environ, SIDING_API_KEY=c.api_key)
+        h.process = subprocess.Popen(cmd, env=env)
         h.identity, h.endpoint, h.last_seen = None, None, time.monotonic()
 
     def serve(self, msg: Serve) -> None:
@@ -109,8 +124,11 @@ class FrontendGroup:
         if isinstance(msg, Listening):
             h.endpoint = msg.endpoint
             h.listen = msg.endpoint  # a restart binds the same port
-            log.info("frontend %d: pid %d serving %s", h.index, h.process.pid if h.process
-                     else 0, msg.endpoint)
+            if msg.http is not None:
+                h.http_url = msg.http
+                h.http = msg.http.removeprefix("http://")
+            log.info("frontend %d: pid %d serving %s%s", h.index, h.process.pid if h.process
+                     else 0, msg.endpoint, f" and {msg.http}" if msg.http else "")
         elif not isinstance(msg, Heartbeat) and not h.serving:
             return None
         return h
@@ -155,5 +173,6 @@ class FrontendGroup:
 
     def describe(self) -> list[dict]:
         return [{"index": h.index, "endpoint": h.endpoint, "serving": h.serving,
-                 "pid": h.process.pid if h.process else None, "restarts": h.restarts}
+                 "pid": h.process.pid if h.process else None, "restarts": h.restarts,
+                 "http": h.http_url}
                 for h in self.handles]

@@ -15,7 +15,8 @@ from .worker_group import WorkerGroup
 
 def cluster_status(config: CoordinatorConfig, model: ModelInfo | None, scheduler: Scheduler,
                    workers: WorkerGroup, frontends: FrontendGroup, metrics: CoordinatorMetrics,
-                   forward_seconds: list[float]) -> dict:
+                   forward_seconds: list[float], failed: str | None = None,
+                   draining: bool = False) -> dict:
     s = scheduler
     total, steps = forward_seconds
     described = workers.describe()
@@ -27,6 +28,8 @@ def cluster_status(config: CoordinatorConfig, model: ModelInfo | None, scheduler
         "exact": config.exact,
         "workers": described,
         "workers_up": workers.n_up,
+        "failed": failed,  # why the cluster cannot serve, if it cannot
+        "draining": draining,
         "frontends": frontends.describe(),
         **metrics.figures(),
         "pool": {"page_size": config.page_size, "pages_total": config.kv_pages,
@@ -34,5 +37,5 @@ def cluster_status(config: CoordinatorConfig, model: ModelInfo | None, scheduler
         "park": {"slots_total": s.park_slots.n_pages, "slots_used": s.park_slots.n_used},
         "requests": {"running": len(s.running), "waiting": len(s.waiting),
                      "parked": len(s.parked)},
-        "config": {k: v for k, v in asdict(config).items() if k != "curve_keys"},
+        "config": {k: v for k, v in asdict(config).items() if k not in ("curve_keys", "api_key")},
     }

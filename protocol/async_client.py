@@ -21,7 +21,7 @@ from .client import (
     completion,
 )
 from .errors import ErrorCode, ProtocolError
-from .messages import Abort, Chunk, Generate, Status
+from .messages import Abort, Chunk, Generate, Result, Status
 from .wire import decode, encode
 
 
@@ -40,10 +40,11 @@ class AsyncClient(ClientBase):
         silence_timeout: float | None = SILENCE_SECONDS,
         curve_server_key: bytes | None = None,
         curve_keys_dir: str | None = None,
+        context: zmq.asyncio.Context | None = None,
     ):
         super().__init__(
-            zmq.asyncio.Context.instance(), asyncio.Queue, endpoint, timeout, curve_server_key,
-            curve_keys_dir, silence_timeout,
+            context or zmq.asyncio.Context.instance(), asyncio.Queue, endpoint, timeout,
+            curve_server_key, curve_keys_dir, silence_timeout,
         )
         self._status_lock = asyncio.Lock()
         self._reader: asyncio.Task | None = None
@@ -59,6 +60,16 @@ class AsyncClient(ClientBase):
     def stream(self, prompt: str | None = None, **options: Any) -> AsyncIterator[StreamChunk]:
         """Chunks as they come, until the Result; closing the iterator early aborts the request."""
         return self._stream(build_generate(prompt, stream=True, **options))
+
+    async def replies(self, msg: Generate) -> AsyncIterator[Chunk | Result]:
+        """Every reply to a request built with `build_generate`: its chunks (a streaming
+        request's), then its Result. Closing the iterator before the Result aborts it."""
+        async with self._request(msg):
+            while True:
+                reply = await self._next(msg.request_id)
+                yield reply
+                if isinstance(reply, Result):
+                    return
 
     async def chat(self, messages: list[dict[str, str]], **options: Any) -> Completion:
         return await self.generate(messages=messages, **options)

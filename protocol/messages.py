@@ -339,6 +339,7 @@ class Serve:
     model: ModelInfo = field(default_factory=lambda: ModelInfo("", 1, 1, 1, ""))
     kv_pages: int = _field(1, lo=1)
     page_size: int = _field(1, lo=1)
+    exact: bool = _field(False)  # the cluster runs in exact mode (HTTP responses say so)
 
 
 @dataclass(slots=True)
@@ -346,6 +347,7 @@ class Listening:
     TYPE: ClassVar[MsgType] = MsgType.LISTENING
     index: int = _field(lo=0, hi=4095)
     endpoint: str = _field(max_len=256)
+    http: str | None = _field(None, max_len=256)  # its OpenAI API's URL, with --http
 
 
 @dataclass(slots=True)

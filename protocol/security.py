@@ -56,6 +56,15 @@ def check_bind(endpoint: str, curve_keys: str | None, insecure: bool) -> None:
     )
 
 
+def check_http_bind(host: str, api_key: str | None, insecure: bool) -> None:
+    """The same rule for the HTTP API: beyond this machine only with an API key."""
+    if is_loopback(f"tcp://{host}:0") or api_key or insecure:
+        return
+    raise ValueError(
+        f"serving HTTP on {host} needs --api-key KEY (or --api-key-file PATH) or --insecure"
+    )
+
+
 def generate_keys(keys_dir: str | os.PathLike) -> Path:
     """Write a server and a client keypair into `keys_dir`; never overwrites existing keys."""
     path = Path(keys_dir)
