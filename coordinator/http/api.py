@@ -347,7 +347,8 @@ def _invalid(e: ValidationError) -> ApiError:
         return ApiError(400, f"unknown field {param!r}", "invalid_request", param)
     if err["type"] == "missing":
         return ApiError(400, f"{param} is required", "invalid_request", param)
-    return ApiError(400, f"{param}: {err['msg']}", "invalid_request", param)
+    message = f"{param}: {err['msg']}" if param else f"the body: {err['msg']}"
+    return ApiError(400, message, "invalid_request", param)
 
 
 def _is_type_tag(part: Any) -> bool:

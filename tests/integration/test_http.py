@@ -1,0 +1,321 @@
+"""The OpenAI-compatible HTTP API against a real cluster (the default model, exact mode), through
+the official `openai` client: the same tokens as the ZeroMQ client, streamed or not; a client
+that goes away frees its pages; every bad input gets its status and OpenAI's error shape while a
+well-formed request beside it is served unchanged."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+
+from protocol import Client
+
+KEY = "test-key-3f9c"
+MODEL = "smollm2-135m"
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def cluster(launch, tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("http") / "api-key"
+    key_file.write_text(KEY + "\n")
+    return launch("--exact", "--http", "127.0.0.1:0", "--api-key-file", str(key_file),
+                  "--kv-pages", "256", "--max-batch-seqs", "16")
+
+
+@pytest.fixture(scope="module")
+def api(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.http + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def zmq(cluster):
+    with Client(cluster.endpoint, timeout=120) as c:
+        yield c
+
+
+def pages_used(zmq) -> int:
+    return zmq.status()["pool"]["pages_used"]
+
+
+def wait_idle(zmq, seconds: float = 10.0) -> dict:
+    deadline = time.monotonic() + seconds
+    while True:
+        s = zmq.status()
+        if s["pool"]["pages_used"] == 0 and s["requests"]["running"] == 0:
+            return s
+        assert time.monotonic() < deadline, f"not idle after {seconds}s: {s['requests']}"
+        time.sleep(0.1)
+
+
+def connect(cluster) -> http.client.HTTPConnection:
+    url = urlsplit(cluster.http)
+    return http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+
+
+def request(cluster, method: str, path: str, body: bytes | str | None = None,
+            headers: dict | None = None) -> SimpleNamespace:
+    """A plain HTTP request (no client library's checks in the way): status and JSON body."""
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json",
+               **(headers or {})}
+    conn = connect(cluster)
+    try:
+        conn.request(method, path, body=body, headers=headers)
+        r = conn.getresponse()
+        return SimpleNamespace(status_code=r.status, json=json.loads(r.read()))
+    finally:
+        conn.close()
+
+
+def post(cluster, path: str, body: bytes | str, headers: dict | None = None) -> SimpleNamespace:
+    return request(cluster, "POST", path, body, headers)
+
+
+# ---- the same tokens as the ZeroMQ client --------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [
+    {"prompt": PROMPT, "max_tokens": 16, "temperature": 0.0},
+    {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.9, "seed": 1234, "n": 2},
+    {"prompt": "Once upon a time,", "max_tokens": 40, "temperature": 0.0, "stop": [","]},
+    {"prompt_token_ids": [504, 6376, 314], "max_tokens": 10, "temperature": 0.7, "seed": 7,
+     "top_k": 20},
+], ids=["greedy", "seeded-n2", "stop", "token-ids"])
+def test_completions_give_the_zeromq_clients_tokens(api, zmq, case):
+    ids = case.pop("prompt_token_ids", None)
+    extra = {"return_token_ids": True}
+    if "top_k" in case:
+        extra["top_k"] = case["top_k"]
+    r = api.completions.create(model=MODEL, prompt=ids if ids else case["prompt"],
+                               max_tokens=case["max_tokens"], temperature=case["temperature"],
+                               seed=case.get("seed"), n=case.get("n", 1),
+                               stop=case.get("stop"), extra_body=extra)
+    want = zmq.generate(prompt=None if ids else case["prompt"], prompt_token_ids=ids,
+                        max_tokens=case["max_tokens"], temperature=case["temperature"],
+                        seed=case.get("seed"), n=case.get("n", 1), stop=case.get("stop"),
+                        top_k=case.get("top_k", 0))
+    assert len(r.choices) == len(want.choices)
+    for got, ref in zip(sorted(r.choices, key=lambda c: c.index), want.choices):
+        assert got.model_extra["token_ids"] == ref.token_ids
+        assert got.text == ref.text
+        assert got.finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == want.usage["prompt_tokens"]
+    assert r.usage.completion_tokens == want.usage["completion_tokens"]
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.model_extra["siding"]["exact"] is True
+    if case.get("stop"):
+        assert r.choices[0].finish_reason == "stop" and "," not in r.choices[0].text
+
+
+def test_a_list_of_prompts_gives_choices_in_prompt_order(api, zmq):
+    prompts = ["Once upon a time,", "The sky is"]
+    r = api.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0.0, n=2,
+                               extra_body={"return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for p, prompt in enumerate(prompts):
+        want = zmq.generate(prompt, max_tokens=6, temperature=0.0, n=2)
+        for j in range(2):
+            assert r.choices[p * 2 + j].model_extra["token_ids"] == want.choices[j].token_ids
+
+
+def test_chat_streamed_and_whole_equal_the_zeromq_chat(api, zmq):
+    messages = [{"role": "system", "content": "You answer in one sentence."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    want = zmq.chat(messages, max_tokens=24, temperature=0.0)
+    whole = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                        temperature=0.0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == want.text
+    assert whole.choices[0].finish_reason == want.finish_reason
+    assert whole.usage.prompt_tokens == want.usage["prompt_tokens"]
+
+    text, roles, finish, usage = [], [], None, None
+    for chunk in api.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=24, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}):
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
+        delta = chunk.choices[0].delta
+        roles += [delta.role] if delta.role else []
+        text.append(delta.content or "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert "".join(text) == want.text
+    assert roles == ["assistant"] and finish == want.finish_reason
+    assert usage.completion_tokens == want.usage["completion_tokens"]
+    assert usage.prompt_tokens == want.usage["prompt_tokens"]
+
+
+def test_chat_without_a_limit_runs_to_its_end(api, zmq):
+    messages = [{"role": "user", "content": "Say hello."}]
+    r = api.chat.completions.create(model=MODEL, messages=messages, temperature=0.0)
+    assert r.choices[0].finish_reason == "stop"  # the model's end of turn, not a default cap
+    want = zmq.chat(messages, max_tokens=r.usage.completion_tokens, temperature=0.0)
+    assert r.choices[0].message.content == want.text
+
+
+def test_streamed_completion_with_n2_and_stop(api, zmq):
+    want = zmq.generate("Once upon a time,", max_tokens=30, temperature=0.8, seed=99, n=2,
+                        stop=["."])
+    texts, finish = ["", ""], [None, None]
+    for chunk in api.completions.create(model=MODEL, prompt="Once upon a time,", max_tokens=30,
+                                        temperature=0.8, seed=99, n=2, stop=["."], stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert texts == [c.text for c in want.choices]
+    assert finish == [c.finish_reason for c in want.choices]
+
+
+def test_exact_mode_concurrent_http_requests_equal_solo_runs(api, zmq):
+    prompts = [f"Story number {i}: once upon a time" for i in range(6)]
+
+    def one(i: int) -> list[int]:
+        stream = api.completions.create(model=MODEL, prompt=prompts[i], max_tokens=24 + 4 * i,
+                                        temperature=0.8, seed=i, stream=True,
+                                        extra_body={"return_token_ids": True, "ignore_eos": True})
+        return [t for chunk in stream for c in chunk.choices for t in c.model_extra["token_ids"]]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(one, range(len(prompts))))
+    for i, got in enumerate(together):
+        solo = zmq.generate(prompts[i], max_tokens=24 + 4 * i, temperature=0.8, seed=i,
+                            ignore_eos=True)
+        assert got == solo.token_ids, f"request {i}"
+
+
+# ---- clients that go away ------------------------------------------------------------------
+
+
+def aborted(status: dict) -> int:
+    return status["errors"].get("aborted", 0)
+
+
+def test_a_dropped_stream_is_aborted_and_its_pages_freed(cluster, zmq):
+    before = aborted(wait_idle(zmq))
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4000, "stream": True,
+                       "ignore_eos": True})
+    conn = connect(cluster)
+    conn.request("POST", "/v1/completions", body=body, headers={
+        "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("content-type").startswith("text/event-stream")
+    events = 0
+    while events < 5:
+        events += r.readline().startswith(b"data: ")
+    assert pages_used(zmq) > 0
+    conn.close()  # mid-stream
+    assert aborted(wait_idle(zmq)) == before + 1
+
+
+def test_a_client_that_hangs_up_on_a_whole_response_is_aborted(cluster, zmq):
+    before = aborted(wait_idle(zmq))
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4000,
+                       "ignore_eos": True}).encode()
+    url = urlsplit(cluster.http)
+    with socket.create_connection((url.hostname, url.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nAuthorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 10
+        while pages_used(zmq) == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert aborted(wait_idle(zmq)) == before + 1
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+
+BAD = [
+    ("malformed JSON", b'{"model": "smollm2-135m", "prompt": ', {}, 400, "invalid_json"),
+    ("not an object", b"[1, 2, 3]", {}, 400, "invalid_request"),
+    ("wrong type", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, {}, 400,
+     "invalid_request"),
+    ("bool as number", {"model": MODEL, "prompt": "x", "temperature": True}, {}, 400,
+     "invalid_request"),
+    ("unknown field", {"model": MODEL, "prompt": "x", "max_tokenz": 3}, {}, 400,
+     "invalid_request"),
+    ("no prompt", {"model": MODEL}, {}, 400, "invalid_request"),
+    ("empty prompt", {"model": MODEL, "prompt": ""}, {}, 400, "invalid_request"),
+    ("negative token", {"model": MODEL, "prompt": [1, -2]}, {}, 400, "invalid_request"),
+    ("token past the vocabulary", {"model": MODEL, "prompt": [10 ** 9]}, {}, 400,
+     "invalid_request"),
+    ("n too large", {"model": MODEL, "prompt": "x", "n": 1000}, {}, 400, "invalid_request"),
+    ("prompt past the context", {"model": MODEL, "prompt": [1] * 9000}, {}, 400, "too_long"),
+    ("wrong model", {"model": "gpt-4", "prompt": "x"}, {}, 404, "model_not_found"),
+    ("logprobs", {"model": MODEL, "prompt": "x", "logprobs": 2}, {}, 400, "unsupported"),
+    ("penalty", {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, {}, 400,
+     "unsupported"),
+    ("no key", {"model": MODEL, "prompt": "x"}, {"Authorization": ""}, 401, "invalid_api_key"),
+    ("wrong key", {"model": MODEL, "prompt": "x"}, {"Authorization": "Bearer nope"}, 401,
+     "invalid_api_key"),
+    ("huge body", b'{"model": "' + b"x" * (40 << 20) + b'"}', {}, 413, "request_too_large"),
+]
+
+
+def test_bad_input_gets_its_status_and_error_shape_and_others_are_served(cluster, api, zmq):
+    want = zmq.generate(PROMPT, max_tokens=48, temperature=0.0, ignore_eos=True)
+    got: dict = {}
+    started = threading.Event()
+
+    def well_formed() -> None:
+        started.set()
+        got["r"] = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=48,
+                                          temperature=0.0, extra_body={"ignore_eos": True,
+                                                                       "return_token_ids": True})
+
+    t = threading.Thread(target=well_formed)
+    t.start()
+    started.wait()
+    for name, body, headers, status, code in BAD:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = post(cluster, "/v1/completions", raw, headers)
+        assert r.status_code == status, (name, r.json)
+        err = r.json["error"]
+        assert set(err) == {"message", "type", "param", "code"}, name
+        assert err["code"] == code and err["message"], (name, err)
+    t.join(120)
+    assert got["r"].choices[0].model_extra["token_ids"] == want.token_ids
+
+
+def test_bad_chat_input(cluster):
+    for body, status, code in [
+        ({"model": MODEL, "messages": []}, 400, "invalid_request"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400,
+         "invalid_request"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, 400,
+         "unsupported"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+         400, "unsupported"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream_options":
+          {"include_usage": True}}, 400, "invalid_request"),
+    ]:
+        r = post(cluster, "/v1/chat/completions", json.dumps(body))
+        assert r.status_code == status, (body, r.json)
+        assert r.json["error"]["code"] == code
+
+
+def test_unknown_routes_and_methods_get_openai_errors(cluster):
+    r = request(cluster, "GET", "/v1/nothing")
+    assert r.status_code == 404 and r.json["error"]["code"] == "not_found"
+    r = request(cluster, "GET", "/v1/completions")
+    assert r.status_code == 405 and r.json["error"]["code"] == "method_not_allowed"
+
+
+def test_models_and_health(cluster, api):
+    models = api.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["max_model_len"] == 8192
+    r = request(cluster, "GET", "/health", headers={"Authorization": ""})  # probes carry none
+    assert r.status_code == 200 and r.json["status"] == "ok"
+    assert request(cluster, "GET", "/v1/models", headers={"Authorization": ""}).status_code == 401
