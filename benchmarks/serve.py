@@ -2,8 +2,10 @@
 by concurrent streaming clients, beside the worker's own decode step rate at the same batch.
 
 Load comes from `--client-procs` client processes (`python -m benchmarks.serve --client`), each
-running its share of the streams on `protocol.AsyncClient`s and handing its per-request records
-back as JSON; client i uses endpoint i % N of the (comma-separated) endpoints the cluster reports.
+running its share of the streams and handing its per-request records back as JSON; client i uses
+endpoint i % N of the (comma-separated) endpoints the cluster reports. `--api zmq` streams through
+`protocol.AsyncClient`s, `--api http` through the OpenAI API with the official `openai` client
+(`AsyncOpenAI`, completions with token-id prompts), `--api zmq,http` both on one cluster.
 Two modes:
 
 - closed (`--concurrency 16,64`): C clients, each sending its next request when its last one
@@ -51,7 +53,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
@@ -201,7 +203,61 @@ def draw_request(rng: random.Random, spec: dict[str, Any]) -> tuple[list[int], i
     return [rng.randrange(LOWEST_PROMPT_ID, spec["vocab_size"]) for _ in range(n)], out
 
 
-async def one_request(client: AsyncClient, records: list[dict[str, Any]], who: int,
+class ZmqLoad:
+    """Streams through siding's own client."""
+
+    def __init__(self, endpoint: str):
+        self.client = AsyncClient(endpoint)
+
+    async def connect(self) -> None:
+        await self.client.status()
+
+    async def stream(self, prompt: list[int], output_len: int) -> AsyncIterator[int]:
+        """The number of tokens in each chunk that has any."""
+        async for chunk in self.client.stream(prompt_token_ids=prompt, max_tokens=output_len,
+                                              ignore_eos=True):
+            if chunk.token_ids:
+                yield len(chunk.token_ids)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class HttpLoad:
+    """Streams through the OpenAI API with the official client, as an application would."""
+
+    def __init__(self, url: str):
+        import openai
+
+        self.errors = (openai.APIError,)
+        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0,
+                                         timeout=DRAIN_S * 2)
+        self.model = ""
+
+    async def connect(self) -> None:
+        self.model = (await self.client.models.list()).data[0].id
+
+    async def stream(self, prompt: list[int], output_len: int) -> AsyncIterator[int]:
+        stream = await self.client.completions.create(
+            model=self.model, prompt=prompt, max_tokens=output_len, temperature=0.0,
+            stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+        try:
+            async for chunk in stream:
+                for c in chunk.choices:
+                    if n := len(c.model_extra.get("token_ids") or ()):
+                        yield n
+        finally:
+            await stream.close()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def load_client(api: str, endpoint: str) -> ZmqLoad | HttpLoad:
+    return HttpLoad(endpoint) if api == "http" else ZmqLoad(endpoint)
+
+
+async def one_request(client: ZmqLoad | HttpLoad, records: list[dict[str, Any]], who: int,
                       prompt: list[int], output_len: int) -> None:
     """Stream one request, recording into a record listed before it is sent, so that one cut
     off (cancelled) still shows what it got, with `end` None."""
@@ -210,16 +266,18 @@ async def one_request(client: AsyncClient, records: list[dict[str, Any]], who: i
            "prompt_len": len(prompt), "output_len": output_len, "error": None}
     records.append(rec)
     try:
-        async for chunk in client.stream(prompt_token_ids=prompt, max_tokens=output_len,
-                                         ignore_eos=True):
-            if chunk.token_ids:
-                chunks.append([time.monotonic(), len(chunk.token_ids)])
+        async for n in client.stream(prompt, output_len):
+            chunks.append([time.monotonic(), n])
     except RequestError as e:
         rec["error"] = e.code
+    except Exception as e:  # the OpenAI client's errors
+        if not isinstance(client, HttpLoad) or not isinstance(e, client.errors):
+            raise
+        rec["error"] = type(e).__name__
     rec["end"] = time.monotonic()
 
 
-async def closed_client(client: AsyncClient, records: list[dict[str, Any]], c: int,
+async def closed_client(client: ZmqLoad | HttpLoad, records: list[dict[str, Any]], c: int,
                         spec: dict[str, Any], start: float, t0: float, t1: float | None) -> None:
     """Requests one after another from `start`, until `t1`, or until `requests_per_client`
     were sent from `t0` on."""
@@ -239,15 +297,16 @@ async def run_load(spec: dict[str, Any]) -> list[dict[str, Any]]:
     t1 = None if spec["duration"] is None else t0 + spec["duration"]
     records: list[dict[str, Any]] = []
     if spec["mode"] == "closed":
-        clients = {c: AsyncClient(endpoints[c % len(endpoints)]) for c in spec["clients"]}
+        clients = {c: load_client(spec["api"], endpoints[c % len(endpoints)])
+                   for c in spec["clients"]}
         n = spec["concurrency"]
         tasks = [closed_client(client, records, c, spec, begin + spec["warmup"] / 2 * c / n,
                                t0, t1) for c, client in clients.items()]
     else:
-        clients = {i: AsyncClient(e) for i, e in enumerate(endpoints)}
+        clients = {i: load_client(spec["api"], e) for i, e in enumerate(endpoints)}
         tasks = [open_arrivals(clients, records, spec)]
     for client in clients.values():
-        await client.status()  # connected before the clock starts
+        await client.connect()  # before the clock starts
     deadline = None if t1 is None else t1 + DRAIN_S - time.monotonic()
     try:
         await asyncio.wait_for(asyncio.gather(*tasks), deadline)
@@ -258,7 +317,7 @@ async def run_load(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return records
 
 
-async def open_arrivals(clients: dict[int, AsyncClient], records: list[dict[str, Any]],
+async def open_arrivals(clients: dict[int, ZmqLoad | HttpLoad], records: list[dict[str, Any]],
                         spec: dict[str, Any]) -> None:
     tasks = []
     for j, at in spec["arrivals"]:
@@ -436,6 +495,13 @@ def positive_list(kind: type) -> Callable[[str], list]:
     return parse
 
 
+def api_list(text: str) -> list[str]:
+    apis = [x.strip() for x in text.split(",") if x.strip()]
+    if not apis or any(x not in ("zmq", "http") for x in apis) or len(set(apis)) < len(apis):
+        raise argparse.ArgumentTypeError(f"--api takes zmq, http or zmq,http, not {text!r}")
+    return apis
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="siding bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -450,6 +516,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-batch-seqs", type=int, default=0,
                    help="0: 64, or the largest concurrency if more")
     p.add_argument("--extra", default="", help="more `siding launch` flags, one string")
+    p.add_argument("--api", type=api_list, default="zmq",
+                   help="zmq (siding's client), http (the OpenAI API through the `openai` "
+                   "client), or both, comma-separated: each on the same cluster, point by point")
     p.add_argument("--mode", default="closed", choices=["closed", "open"])
     p.add_argument("--concurrency", type=positive_list(int), default="16,64",
                    help="closed loop: concurrent clients, comma-separated")
@@ -537,30 +606,37 @@ def main(argv: list[str]) -> None:
             "requests_per_client": a.requests_per_client}
     machine = machine_info(str(device))
     arms = {"siding": None, **({"baseline": a.baseline} if a.baseline else {})}
+    runs = [(arm, api) for arm in arms for api in (a.api if arm == "siding" else ["zmq"])]
+    labels = {run: run[0] if run[0] != "siding" or a.api == ["zmq"] else " ".join(run)
+              for run in runs}
     points = []
     idle = {}
     with contextlib.ExitStack() as stack:
         clusters = {}
         for arm, root in arms.items():
-            progress(SCENARIO, f"starting {arm} ({root or 'this tree'}): {' '.join(launch)}")
-            clusters[arm] = stack.enter_context(LocalCluster(*launch, root=root))
+            args = [*launch, *(["--http", "127.0.0.1:0"] if arm == "siding" and "http" in a.api
+                               else [])]
+            progress(SCENARIO, f"starting {arm} ({root or 'this tree'}): {' '.join(args)}")
+            clusters[arm] = stack.enter_context(LocalCluster(*args, root=root))
             idle[arm] = idle_cores(clusters[arm].proc.pid)
             progress(SCENARIO, f"idle {arm} cluster: " + ", ".join(
                 f"{name} {cores:.3f}" for name, cores in idle[arm].items()) + " cores")
-        for x, (arm, cluster) in itertools.product(xs, clusters.items()):
-            spec = dict(base, concurrency=x, endpoints=cluster.endpoint.split(",")) \
+        for x, (arm, api) in itertools.product(xs, runs):
+            cluster, label = clusters[arm], labels[arm, api]
+            endpoints = (cluster.http if api == "http" else cluster.endpoint).split(",")
+            spec = dict(base, api=api, concurrency=x, endpoints=endpoints) \
                 if a.mode == "closed" else dict(
-                base, rate=x, endpoints=cluster.endpoint.split(","),
+                base, api=api, rate=x, endpoints=endpoints,
                 arrivals=list(enumerate(poisson_arrivals(
                     x, a.warmup + a.duration, random.Random(f"{a.seed}-arrivals-{x}")))))
             procs = a.client_procs or default_procs(x if a.mode == "closed" else a.max_batch_seqs)
-            progress(SCENARIO, f"{arm}, {xname} {x:g}: {a.warmup:g} s warm-up, then "
+            progress(SCENARIO, f"{label}, {xname} {x:g}: {a.warmup:g} s warm-up, then "
                      + (f"{a.duration:g} s" if spec["duration"] else f"{a.requests_per_client} "
                         "requests per client") + f", {procs} client process(es)")
-            point = {"arm": arm, xname: x, "client_procs": procs,
+            point = {"arm": label, "api": api, xname: x, "client_procs": procs,
                      **run_point(spec, procs, cluster.proc.pid)}
             points.append(point)
-            progress(SCENARIO, f"{arm}, {xname} {x:g}: {point['output_tps']:.1f} tok/s, "
+            progress(SCENARIO, f"{label}, {xname} {x:g}: {point['output_tps']:.1f} tok/s, "
                      f"{point['requests_per_s']:.2f} req/s, {point['errors']} errors")
             busiest = max(c["cores"] or 0.0 for c in point["cpu"]
                           if c["name"].startswith("bench client"))
@@ -585,12 +661,13 @@ def main(argv: list[str]) -> None:
     }
     json_path, png_path = result_paths(a.out, SCENARIO, stamp)
     write_json(json_path, record)
-    series = [Series(f"{arm} cluster (clients)", xs, [Spread.of([p["output_tps"]])
-                                                      for p in points if p["arm"] == arm])
-              for arm in arms]
+    series = [Series(f"{label} cluster (clients)", xs, [Spread.of([p["output_tps"]])
+                                                        for p in points if p["arm"] == label])
+              for label in labels.values()]
     if a.inprocess:
+        first = labels[runs[0]]
         series.append(Series("in-process decode", xs, [Spread.of([p["inprocess"]["tps"]])
-                                                       for p in points if p["arm"] == "siding"]))
+                                                       for p in points if p["arm"] == first]))
     write_plot(png_path, series,
                title=f"serve ({a.mode} loop): {a.model}, {dtype_name(dtype)}, "
                      f"{machine['device_name']}\nprompt {a.prompt_len}, output {a.output_len} "

@@ -24,7 +24,7 @@ class LocalCluster:
         self.quiet = quiet
         self.proc: subprocess.Popen | None = None
         self.endpoint = ""
-        self.http = ""  # the OpenAI API's URL, when launched with --http
+        self.http = ""  # the OpenAI API's URLs (comma-separated), when launched with --http
         self.stderr: list[str] = []
 
     def __enter__(self) -> LocalCluster:
@@ -63,7 +63,7 @@ class LocalCluster:
     def _read_stdout(self, ready: threading.Event) -> None:
         for line in self.proc.stdout:
             if line.startswith("http "):
-                self.http = line.split()[1].split(",")[0]
+                self.http = line.split()[1]
             if line.startswith("ready "):
                 self.endpoint = line.split()[1]
                 ready.set()

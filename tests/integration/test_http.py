@@ -319,3 +319,7 @@ def test_models_and_health(cluster, api):
     r = request(cluster, "GET", "/health", headers={"Authorization": ""})  # probes carry none
     assert r.status_code == 200 and r.json["status"] == "ok"
     assert request(cluster, "GET", "/v1/models", headers={"Authorization": ""}).status_code == 401
+
+
+def test_the_key_is_not_in_status(zmq):
+    assert "api_key" not in zmq.status()["config"] and KEY not in str(zmq.status())

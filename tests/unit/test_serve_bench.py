@@ -99,21 +99,25 @@ def test_window_counts_its_tokens_and_times_the_requests_sent_in_it():
 
 
 def test_a_closed_loop_run_streams_every_token_and_charges_the_core_cpu(tmp_path, capsys):
+    """Through both APIs on one cluster: siding's client and the OpenAI API."""
     serve.main(["--model", "synthetic:tiny", "--concurrency", "2", "--duration", "3",
-                "--warmup", "1", "--output-len", "8", "--prompt-len", "16",
+                "--warmup", "1", "--output-len", "8", "--prompt-len", "16", "--api", "zmq,http",
                 "--inprocess-steps", "4", "--out", str(tmp_path)])
     (path,) = tmp_path.glob("serve-*.json")
     assert (tmp_path / path.name.replace(".json", ".png")).is_file()
     record = json.loads(path.read_text())
     assert record["command"].startswith("siding bench serve --model synthetic:tiny")
     assert record["machine"]["cpu_count"] >= 1 and record["config"]["concurrency"] == [2]
-    (point,) = record["points"]
-    assert point["concurrency"] == 2 and point["output_tps"] > 0
-    assert point["requests"] and point["errors"] == point["cut_off"] == 0
-    assert all(r["tokens"] == r["output_len"] == 8 for r in point["requests"])
-    assert {r["client"] for r in point["requests"]} == {0, 1}
-    assert point["core_us_per_token"] > 0 and point["worker_us_per_token"] > 0
-    assert point["ttft_s"]["p50"] <= point["e2e_s"]["p50"]
-    assert point["inprocess"]["batch"] == 2 and point["inprocess"]["tps"] > 0
-    assert point["of_inprocess"] == pytest.approx(point["output_tps"] / point["inprocess"]["tps"])
+    assert [(p["arm"], p["api"]) for p in record["points"]] == [("siding zmq", "zmq"),
+                                                                 ("siding http", "http")]
+    for point in record["points"]:
+        assert point["concurrency"] == 2 and point["output_tps"] > 0
+        assert point["requests"] and point["errors"] == point["cut_off"] == 0
+        assert all(r["tokens"] == r["output_len"] == 8 for r in point["requests"])
+        assert {r["client"] for r in point["requests"]} == {0, 1}
+        assert point["core_us_per_token"] > 0 and point["worker_us_per_token"] > 0
+        assert point["ttft_s"]["p50"] <= point["e2e_s"]["p50"]
+        assert point["inprocess"]["batch"] == 2 and point["inprocess"]["tps"] > 0
+        assert point["of_inprocess"] == pytest.approx(
+            point["output_tps"] / point["inprocess"]["tps"])
     assert "non-worker us/tok" in capsys.readouterr().out
