@@ -229,9 +229,18 @@ class HttpLoad:
     def __init__(self, url: str):
         import openai
 
+        try:  # what the openai client is built on: httpx, or its successor httpx2
+            import httpx2 as httpx
+        except ImportError:
+            import httpx
+
         self.errors = (openai.APIError,)
-        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0,
-                                         timeout=DRAIN_S * 2)
+        # One client for every stream of a process, as an application keeps one: a pool with
+        # a connection per stream.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self.client = openai.AsyncOpenAI(
+            base_url=url + "/v1", api_key="bench", max_retries=0, timeout=DRAIN_S * 2,
+            http_client=openai.DefaultAsyncHttpxClient(limits=limits))
         self.model = ""
 
     async def connect(self) -> None:
@@ -253,8 +262,14 @@ class HttpLoad:
         await self.client.close()
 
 
-def load_client(api: str, endpoint: str) -> ZmqLoad | HttpLoad:
-    return HttpLoad(endpoint) if api == "http" else ZmqLoad(endpoint)
+def load_clients(api: str, endpoints: list[str], keys) -> dict[Any, ZmqLoad | HttpLoad]:
+    """A client for each of `keys` (closed loop: each stream; open: each endpoint), key i on
+    endpoint i % N: a socket each for siding's client, one shared pool per endpoint for HTTP."""
+    keys = list(keys)
+    if api == "zmq":
+        return {k: ZmqLoad(endpoints[i % len(endpoints)]) for i, k in enumerate(keys)}
+    shared = {e: HttpLoad(e) for e in endpoints}
+    return {k: shared[endpoints[i % len(endpoints)]] for i, k in enumerate(keys)}
 
 
 async def one_request(client: ZmqLoad | HttpLoad, records: list[dict[str, Any]], who: int,
@@ -297,22 +312,22 @@ async def run_load(spec: dict[str, Any]) -> list[dict[str, Any]]:
     t1 = None if spec["duration"] is None else t0 + spec["duration"]
     records: list[dict[str, Any]] = []
     if spec["mode"] == "closed":
-        clients = {c: load_client(spec["api"], endpoints[c % len(endpoints)])
-                   for c in spec["clients"]}
+        clients = load_clients(spec["api"], endpoints, spec["clients"])
         n = spec["concurrency"]
         tasks = [closed_client(client, records, c, spec, begin + spec["warmup"] / 2 * c / n,
                                t0, t1) for c, client in clients.items()]
     else:
-        clients = {i: load_client(spec["api"], e) for i, e in enumerate(endpoints)}
+        clients = load_clients(spec["api"], endpoints, range(len(endpoints)))
         tasks = [open_arrivals(clients, records, spec)]
-    for client in clients.values():
+    unique = list({id(c): c for c in clients.values()}.values())
+    for client in unique:
         await client.connect()  # before the clock starts
     deadline = None if t1 is None else t1 + DRAIN_S - time.monotonic()
     try:
         await asyncio.wait_for(asyncio.gather(*tasks), deadline)
     except asyncio.TimeoutError:
         pass  # the cut-off requests are aborted and keep `end` None
-    for client in clients.values():
+    for client in unique:
         await client.close()
     return records
 

@@ -197,8 +197,8 @@ def cmd_launch(args: argparse.Namespace) -> None:
         if args.write_prometheus_config and not config.spawn_workers:  # now their hosts are known
             hosts = [_host(h.reg.data_endpoint) for h in engine.workers.handles]
             _write_prometheus_config(args.write_prometheus_config, config, hosts)
-        if engine.frontends.http_urls:
-            print(f"http {engine.frontends.http_urls}", flush=True)
+        if engine.frontends.http_url:
+            print(f"http {engine.frontends.http_url}", flush=True)
         print(f"ready {engine.endpoint}", flush=True)
         engine.serve(should_stop=stop.is_set)
     finally:

@@ -19,6 +19,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from array import array
@@ -105,8 +106,7 @@ class Frontend:
         if self.http is not None:  # a client like any other, over inproc (no CURVE there)
             self.clients.bind(HTTP_ENDPOINT)
             self.http.start(self.ctx, HTTP_ENDPOINT, self.serve_msg)
-        self._to_core(Listening(index=self.index, endpoint=endpoint,
-                                http=self.http.url if self.http else None))
+        self._to_core(Listening(index=self.index, endpoint=endpoint))
         gc.freeze()  # the tokenizer and template live on: collections need not scan them again
         self._serve()
 
@@ -327,20 +327,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--curve-keys", default=None)
     p.add_argument("--insecure", action="store_true")
     p.add_argument("--exit-with-parent", action="store_true")
-    p.add_argument("--http", default=None, metavar="HOST:PORT",
-                   help="also serve the OpenAI API there (its key, if any, in SIDING_API_KEY)")
+    p.add_argument("--http-fd", type=int, default=None, metavar="FD",
+                   help="serve the OpenAI API on this inherited listening socket (its key, if "
+                   "any, in SIDING_API_KEY)")
     p.add_argument("--debug", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s frontend {a.index} %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the core drains on Ctrl-C, then stops us
     http = None
-    if a.http is not None:
-        try:
-            http = HttpServer(a.http, os.environ.pop("SIDING_API_KEY", None), a.insecure)
-        except (OSError, ValueError) as e:
-            log.error("%s", e)
-            raise SystemExit(1) from None
+    if a.http_fd is not None:
+        http = HttpServer(socket.socket(fileno=a.http_fd), os.environ.pop("SIDING_API_KEY", None))
     frontend = Frontend(a.core, a.index, a.listen, a.curve_keys, a.insecure, a.exit_with_parent,
                         http)
     try:

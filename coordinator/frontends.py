@@ -22,6 +22,7 @@ from protocol.messages import FrontendHello, Heartbeat, Listening, Serve, Shutdo
 from protocol.wire import MAX_MESSAGE_BYTES, encode
 
 from .config import CoordinatorConfig
+from .http import address
 
 log = logging.getLogger("siding.coordinator")
 
@@ -35,8 +36,6 @@ class FrontendHandle:
     process: subprocess.Popen | None = None
     identity: bytes | None = None
     endpoint: str | None = None  # where clients reach it, once it listens
-    http: str | None = None  # --http as given; once it listens, HOST:PORT it got
-    http_url: str | None = None
     last_seen: float = 0.0
     restarts: int = 0
 
@@ -55,8 +54,9 @@ class FrontendGroup:
         self.sock.setsockopt(zmq.SNDHWM, OUTPUT_HWM)
         self.sock.setsockopt(zmq.RCVHWM, OUTPUT_HWM)
         self.sock.bind(f"ipc://{self.dir}/core")
-        self.handles = [FrontendHandle(i, ep, http=config.http)
-                        for i, ep in enumerate(config.client_endpoints())]
+        self.handles = [FrontendHandle(i, ep) for i, ep in enumerate(config.client_endpoints())]
+        # The OpenAI API's one listening socket: every frontend accepts on it.
+        self.http = None if config.http is None else address.listen(config.http)
         self.serve_msg: Serve | None = None
 
     @property
@@ -73,10 +73,9 @@ class FrontendGroup:
         return ",".join(h.endpoint or h.listen for h in self.handles)
 
     @property
-    def http_urls(self) -> str | None:
-        """The OpenAI API's URLs, comma-separated (one, when the frontends share a port)."""
-        urls = dict.fromkeys(h.http_url for h in self.handles if h.http_url)
-        return ",".join(urls) or None
+    def http_url(self) -> str | None:
+        """Where the OpenAI API is served (by every frontend), once bound."""
+        return None if self.http is None else address.socket_url(self.http)
 
     def spawn_all(self) -> None:
         for h in self.handles:
@@ -90,12 +89,13 @@ class FrontendGroup:
             cmd += ["--curve-keys", c.curve_keys]
         if c.insecure:
             cmd += ["--insecure"]
-        env = None
-        if h.http is not None:
-            cmd += ["--http", h.http]
+        env, fds = None, ()
+        if self.http is not None:
+            fds = (self.http.fileno(),)
+            cmd += ["--http-fd", str(fds[0])]
             if c.api_key is not None:  # not on the command line, where `ps` shows it
                 env = dict(os.environ, SIDING_API_KEY=c.api_key)
-        h.process = subprocess.Popen(cmd, env=env)
+        h.process = subprocess.Popen(cmd, env=env, pass_fds=fds)
         h.identity, h.endpoint, h.last_seen = None, None, time.monotonic()
 
     def serve(self, msg: Serve) -> None:
@@ -124,11 +124,8 @@ class FrontendGroup:
         if isinstance(msg, Listening):
             h.endpoint = msg.endpoint
             h.listen = msg.endpoint  # a restart binds the same port
-            if msg.http is not None:
-                h.http_url = msg.http
-                h.http = msg.http.removeprefix("http://")
             log.info("frontend %d: pid %d serving %s%s", h.index, h.process.pid if h.process
-                     else 0, msg.endpoint, f" and {msg.http}" if msg.http else "")
+                     else 0, msg.endpoint, f" and {self.http_url}" if self.http else "")
         elif not isinstance(msg, Heartbeat) and not h.serving:
             return None
         return h
@@ -170,9 +167,10 @@ class FrontendGroup:
                 h.process.kill()
                 h.process.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self.http is not None:
+            self.http.close()
 
     def describe(self) -> list[dict]:
         return [{"index": h.index, "endpoint": h.endpoint, "serving": h.serving,
-                 "pid": h.process.pid if h.process else None, "restarts": h.restarts,
-                 "http": h.http_url}
+                 "pid": h.process.pid if h.process else None, "restarts": h.restarts}
                 for h in self.handles]

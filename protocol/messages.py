@@ -347,7 +347,6 @@ class Listening:
     TYPE: ClassVar[MsgType] = MsgType.LISTENING
     index: int = _field(lo=0, hi=4095)
     endpoint: str = _field(max_len=256)
-    http: str | None = _field(None, max_len=256)  # its OpenAI API's URL, with --http
 
 
 @dataclass(slots=True)

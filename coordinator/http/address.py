@@ -1,6 +1,9 @@
-"""`--http` addresses: HOST:PORT, [V6]:PORT, :PORT (loopback) or a bare PORT."""
+"""`--http` addresses (HOST:PORT, [V6]:PORT, :PORT for loopback, or a bare PORT) and the one
+listening socket the engine core binds for them."""
 
 from __future__ import annotations
+
+import socket
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -20,3 +23,28 @@ def parse_address(address: str) -> tuple[str, int]:
 
 def url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def listen(address: str) -> socket.socket:
+    """A listening TCP socket for `address`, inheritable: every frontend accepts on it, so a
+    port in use fails here, once, with the flag named."""
+    host, port = parse_address(address)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on sockets that say TCP, and
+    # without it every response waits out the client's delayed ACK (40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"--http {address}: cannot listen on {host}:{port}: "
+                      f"{e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def socket_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return url(host, port)

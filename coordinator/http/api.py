@@ -117,11 +117,13 @@ class Api:
             s = await asyncio.wait_for(self.client.status(), 5.0)
         except (RequestError, asyncio.TimeoutError):
             return _unhealthy("the engine core does not answer")
-        down = [str(w["rank"]) for w in s["workers"] if not w["alive"]]
         if s.get("failed"):
             return _unhealthy(s["failed"])
-        if down:
-            return _unhealthy(f"worker {', '.join(down)} down")
+        expected = s["config"]["workers"]
+        if s["workers_up"] < expected:  # dead, or (re)loading: a restart empties the list
+            down = [str(w["rank"]) for w in s["workers"] if not w["alive"]]
+            return _unhealthy(f"{s['workers_up']} of {expected} workers up" + (
+                f" (worker {', '.join(down)} down)" if down else " (loading)"))
         if s.get("draining"):
             return _unhealthy("draining: the cluster is shutting down")
         return JSONResponse({"status": "ok", "workers_up": s["workers_up"]})

@@ -1,15 +1,13 @@
 """The HTTP API's server inside a frontend process: uvicorn on a thread of its own, reaching the
 frontend as a client on an inproc socket.
 
-The listening socket is bound with SO_REUSEPORT, so `--frontends N` processes share one port and
-the kernel spreads connections over them. Bound in the frontend's main thread, before it says
-it listens, so a port in use stops the start with that message.
+The listening socket is the engine core's (`address.listen`), inherited: every frontend accepts
+on it, so `--frontends N` share one port and whichever is free takes the next connection.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import socket
 import threading
 
@@ -18,30 +16,12 @@ import zmq.asyncio
 
 from protocol.async_client import AsyncClient
 from protocol.messages import Serve
-from protocol.security import check_http_bind
-
-from .address import parse_address, url
-
-log = logging.getLogger("siding.http")
 
 
 class HttpServer:
-    def __init__(self, address: str, api_key: str | None, insecure: bool):
-        host, port = parse_address(address)
-        check_http_bind(host, api_key, insecure)
+    def __init__(self, sock: socket.socket, api_key: str | None):
+        self.sock = sock
         self.api_key = api_key
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            self.sock.bind((host, port))
-            self.sock.listen(1024)
-        except OSError as e:
-            self.sock.close()
-            raise OSError(e.errno, f"--http {address}: cannot listen on {host}:{port}: "
-                          f"{e.strerror}") from None
-        self.url = url(host, self.sock.getsockname()[1])
         self.server = None
         self.thread: threading.Thread | None = None
 

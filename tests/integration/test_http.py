@@ -323,3 +323,20 @@ def test_models_and_health(cluster, api):
 
 def test_the_key_is_not_in_status(zmq):
     assert "api_key" not in zmq.status()["config"] and KEY not in str(zmq.status())
+
+
+def test_health_is_503_while_a_worker_is_down_and_200_once_it_is_back(cluster, zmq):
+    """Last in this module: it kills the worker."""
+    import os
+    import signal
+
+    os.kill(zmq.status()["workers"][0]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while (r := request(cluster, "GET", "/health")).status_code == 200:
+        assert time.monotonic() < deadline, "still healthy with its worker dead"
+        time.sleep(0.1)
+    assert r.status_code == 503 and r.json["status"] == "unavailable" and r.json["reason"]
+    deadline = time.monotonic() + 120
+    while (r := request(cluster, "GET", "/health")).status_code != 200:
+        assert time.monotonic() < deadline, f"not healthy again: {r.json}"
+        time.sleep(0.2)
