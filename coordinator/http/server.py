@@ -27,14 +27,6 @@ class HttpServer:
 
     def start(self, ctx: zmq.Context, endpoint: str, serve: Serve) -> None:
         """Serve until `stop`, as a client of the frontend's `endpoint` (inproc, in `ctx`)."""
-        ready = threading.Event()
-        self.thread = threading.Thread(target=lambda: asyncio.run(
-            self._serve(ctx, endpoint, serve, ready)), name="http", daemon=True)
-        self.thread.start()
-        ready.wait(30)
-
-    async def _serve(self, ctx: zmq.Context, endpoint: str, serve: Serve,
-                     ready: threading.Event) -> None:
         import uvicorn
 
         from .api import Api
@@ -45,7 +37,15 @@ class HttpServer:
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
-        ready.set()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._serve(client)),
+                                       name="http", daemon=True)
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    async def _serve(self, client: AsyncClient) -> None:
         try:
             await self.server.serve(sockets=[self.sock])
         finally:

@@ -325,6 +325,26 @@ def test_the_key_is_not_in_status(zmq):
     assert "api_key" not in zmq.status()["config"] and KEY not in str(zmq.status())
 
 
+def test_a_restarted_frontend_serves_http_on_the_same_port(cluster, api, zmq):
+    import os
+    import signal
+
+    (frontend,) = zmq.status()["frontends"]
+    os.kill(frontend["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            r = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.0)
+            break
+        except openai.APIConnectionError:  # nobody accepts until the new frontend does
+            assert time.monotonic() < deadline, "the API did not come back"
+            time.sleep(0.2)
+    assert r.usage.completion_tokens == 4
+    with Client(cluster.endpoint, timeout=60) as c:  # the ZeroMQ endpoint is back too
+        (again,) = c.status()["frontends"]
+    assert again["restarts"] == 1 and again["pid"] != frontend["pid"]
+
+
 def test_health_is_503_while_a_worker_is_down_and_200_once_it_is_back(cluster, zmq):
     """Last in this module: it kills the worker."""
     import os
