@@ -121,6 +121,9 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     a("--max-batch-seqs", type=int, default=64)
     a("--max-batch-tokens", type=int, default=512)
     a("--preempt-every", type=int, default=0)
+    a("--max-queued-per-client", type=int, default=1024,
+      help="requests one client may have queued (not yet running); past it, `overloaded`. "
+      "The queue is fair between clients (a client: a connection, or the request's `user`)")
     a("--prefill-hold-ms", type=int, default=0,
       help="while sequences decode, new prompts wait up to this long (or until they fill half "
       "a step's rows) and prefill together, so most steps decode only: throughput for TTFT")
@@ -138,6 +141,9 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     a("--api-key-file", default=None, metavar="PATH",
       help="read the API key from PATH (keeps it off the command line)")
     a("--worker-listen", default="tcp://127.0.0.1:5556")
+    a("--worker-wait", type=float, default=60.0, metavar="S",
+      help="while the workers are down (restarting, backing off), requests wait up to S "
+      "seconds for them, then fail with worker_failed")
     a("--metrics-port", type=int, default=9400,
       help="coordinator metrics port P (worker i: P+1+i); 0 turns the metrics endpoints off")
     a("--write-prometheus-config", metavar="PATH", default=None,
@@ -157,7 +163,8 @@ def config_from_args(args: argparse.Namespace):
         page_size=args.page_size,
         kv_pages=args.kv_pages, park_pages=args.park_pages, max_batch_seqs=args.max_batch_seqs,
         max_batch_tokens=args.max_batch_tokens, preempt_every=args.preempt_every,
-        prefill_hold_ms=args.prefill_hold_ms,
+        prefill_hold_ms=args.prefill_hold_ms, max_queued_per_client=args.max_queued_per_client,
+        worker_wait=args.worker_wait,
         listen=args.listen, frontends=args.frontends, http=args.http, api_key=_api_key(args),
         worker_listen=args.worker_listen,
         metrics_port=args.metrics_port or None, curve_keys=args.curve_keys,

@@ -45,7 +45,9 @@ class CoordinatorConfig:
     startup_timeout: float = 600.0
     heartbeat_timeout: float = 2.0
     step_timeout: float = 300.0  # a step in flight longer than this restarts the workers
+    worker_wait: float = 60.0  # while the workers are down, requests wait this long, then fail
     max_waiting: int = 4096  # queued requests before new ones get `overloaded`
+    max_queued_per_client: int = 1024  # one client's queued requests before its next is refused
     frontend_timeout: float = 10.0  # a frontend silent this long is restarted
 
     def __post_init__(self) -> None:
@@ -78,6 +80,8 @@ class CoordinatorConfig:
         need(self.preempt_every >= 0, "--preempt-every must be >= 0")
         need(0 <= self.prefill_hold_ms <= 10_000, "--prefill-hold-ms must be in [0, 10000]")
         need(1 <= self.frontends <= 64, "--frontends must be in [1, 64]")
+        need(self.max_queued_per_client >= 1, "--max-queued-per-client must be at least 1")
+        need(self.worker_wait > 0, "--worker-wait must be a positive number of seconds")
         if self.http is not None:
             from protocol.security import check_http_bind
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
@@ -62,26 +65,36 @@ class EngineCore:
         for ep in [config.worker_listen, *config.client_endpoints()]:
             security.check_bind(ep, config.curve_keys, config.insecure)
         self.ctx = zmq.Context()
-        self.auth = None
+        # The worker links (this socket, and the workers' activation sockets) always need keys:
+        # the cluster's own, or for workers it starts itself, keys made for this run only, so
+        # that no other process on the machine can join them or inject into them.
+        self.keys_dir = None
+        link_keys = config.curve_keys
+        if link_keys is None and config.spawn_workers:
+            self.keys_dir = tempfile.mkdtemp(prefix="siding-keys-")  # mode 0700
+            link_keys = str(security.generate_keys(Path(self.keys_dir) / "links"))
         self.worker_sock = self.ctx.socket(zmq.ROUTER)
         self.worker_sock.setsockopt(zmq.LINGER, 0)
         self.worker_sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        if config.curve_keys:
-            self.auth = security.secure_server(self.worker_sock, config.curve_keys)
+        self.auth = None
+        if link_keys:
+            self.auth = security.secure_server(self.worker_sock, link_keys)
         self.worker_sock.bind(config.worker_listen)
-        self.workers = WorkerGroup(self.worker_sock, config)
+        self.workers = WorkerGroup(self.worker_sock, config, link_keys)
         self.frontends = FrontendGroup(self.ctx, config)
         self.scheduler = Scheduler(PageAllocator(config.kv_pages),
                                    PageAllocator(config.park_pages), config.page_size,
                                    config.max_batch_seqs, config.max_batch_tokens,
                                    config.preempt_every, config.prefill_hold_ms / 1000)
         self.requests = Requests(self.scheduler, self.frontends, self.metrics,
-                                 config.max_waiting)
+                                 config.max_waiting, config.max_queued_per_client)
         self.inflight: dict[int, InFlight] = {}
         self.next_step = 0
         self.forward_seconds = [0.0, 0]  # the last stage's forward time: sum, steps
         self.draining = False
-        self.failed: str | None = None  # set when the cluster can no longer serve
+        self.failed: str | None = None  # set when the cluster can no longer serve (remote)
+        self.outage_since: float | None = None  # when the workers went down, while they are
+        self.retry_at: float | None = None  # when halted workers are started again
         self.model = None
         self.metrics.kv_pages_total.set(config.kv_pages)
 
@@ -111,6 +124,7 @@ class EngineCore:
         self.frontends.serve(Serve(model=self.model, kv_pages=self.config.kv_pages,
                                    page_size=self.config.page_size, exact=self.config.exact))
         self.metrics.workers_up.set(self.workers.n_up)
+        self.outage_since = None
         log.info("%d workers ready", self.workers.n_up)
 
     def close(self) -> None:
@@ -119,6 +133,8 @@ class EngineCore:
         if self.auth is not None:
             self.auth.stop()
         self.ctx.destroy(linger=0)
+        if self.keys_dir is not None:
+            shutil.rmtree(self.keys_dir, ignore_errors=True)
 
     def serve(self, should_stop=lambda: False, drain_seconds: float = 30.0) -> None:
         """Serve until should_stop() turns true, then drain for up to drain_seconds.
@@ -276,7 +292,15 @@ class EngineCore:
             self.frontends.restart(h)
         if self.failed:
             return
+        if self.outage_since is not None:
+            self._fail_overdue(now)
         try:
+            if self.retry_at is not None:
+                if now >= self.retry_at:
+                    self.retry_at = None
+                    log.info("starting the workers again")
+                    self.workers.begin()
+                return
             if not self.workers.ready:
                 self.workers.check_startup()
                 return
@@ -286,15 +310,36 @@ class EngineCore:
             if not dead and not stuck:
                 return
             ranks = ", ".join(str(h.rank) for h in dead) or f"(step {stuck[0]} stuck)"
-            self.workers.note_restart(now, f"worker {ranks} stopped")
-            log.error("worker %s stopped; restarting the workers, sequences will recompute",
-                      ranks)
-            self.inflight.clear()
-            self.metrics.preemptions.labels(action="recompute").inc(
-                self.scheduler.recompute_all())
-            self.workers.restart()
+            self._restart_workers(now, f"worker {ranks} stopped")
         except StartupError as e:
+            if self.config.spawn_workers:  # local workers: try again, however often it takes
+                self._restart_workers(now, str(e), at_least=1.0)
+                return
             self.failed = f"{e}; the cluster cannot serve"
             log.error(self.failed)
             self.inflight.clear()
             self.requests.fail_all(ErrorCode.WORKER_FAILED, self.failed)
+
+    def _restart_workers(self, now: float, reason: str, at_least: float = 0.0) -> None:
+        """Restart the workers, at once or after a backoff; every sequence recomputes."""
+        delay = max(at_least, self.workers.note_restart(now, reason))
+        log.error("%s; restarting the workers%s, sequences will recompute", reason,
+                  f" in {delay:.0f} s" if delay else "")
+        self.outage_since = self.outage_since or now
+        self.inflight.clear()
+        self.metrics.preemptions.labels(action="recompute").inc(self.scheduler.recompute_all())
+        self.metrics.workers_up.set(0)
+        if delay:
+            self.workers.halt()
+            self.retry_at = now + delay
+        else:
+            self.workers.restart()
+
+    def _fail_overdue(self, now: float) -> None:
+        """While the workers are down, a request fails once it has waited --worker-wait
+        seconds for them (from its arrival or the outage's start, whichever is later)."""
+        wait = self.config.worker_wait
+        for req in list(self.requests.live.values()):
+            if now - max(req.arrival, self.outage_since) > wait:
+                self.requests.fail(req, ErrorCode.WORKER_FAILED,
+                                   f"no workers to run it for {wait:g} s")

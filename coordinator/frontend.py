@@ -45,7 +45,7 @@ from protocol.messages import (
     StatusReply,
     Submit,
 )
-from protocol.wire import MAX_MESSAGE_BYTES, decode, encode
+from protocol.wire import MAX_CLIENT_MESSAGE_BYTES, MAX_MESSAGE_BYTES, decode, encode
 
 from .admission import check_fits, prompt_ids
 from .http.server import HttpServer
@@ -113,7 +113,7 @@ class Frontend:
     def _bind(self, endpoint: str) -> zmq.Socket:
         s = self.ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        s.setsockopt(zmq.MAXMSGSIZE, MAX_CLIENT_MESSAGE_BYTES)
         s.setsockopt(zmq.SNDHWM, CLIENT_HWM)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if self.curve_keys:
@@ -238,8 +238,10 @@ class Frontend:
     # ---- clients ----------------------------------------------------------------------------
 
     def _drain_clients(self) -> None:
+        # A turn's budget: a flood of client messages must not hold back the core's outputs,
+        # the keepalives (clients give up after 3 s of silence) or the heartbeats.
         wire.drain(self.clients, self._on_client_guarded,
-                   lambda identity, e: self._drop(identity, e.message))
+                   lambda identity, e: self._drop(identity, e.message), seconds=0.05)
 
     def _on_client_guarded(self, identity: bytes, msg, frames) -> None:
         try:
@@ -296,7 +298,8 @@ class Frontend:
             key=key, n_prompt=len(prompt), n=msg.n, max_tokens=msg.max_tokens,
             temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed,
             stop_token_ids=msg.stop_token_ids, ignore_eos=msg.ignore_eos, priority=msg.priority,
-            arrival=arrival), [array("i", prompt).tobytes()])
+            arrival=arrival, client=identity.hex() if msg.user is None else "user:" + msg.user),
+            [array("i", prompt).tobytes()])
 
     def _send(self, identity: bytes, msg) -> bool:
         return self._send_frames(identity, encode(msg))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from array import array
+from collections import Counter
 
 from protocol.errors import ErrorCode
 from protocol.messages import Cancel, Failed, Finished, Outputs, Report, Submit
@@ -19,12 +20,14 @@ from .sequence import Request
 
 class Requests:
     def __init__(self, scheduler: Scheduler, frontends: FrontendGroup,
-                 metrics: CoordinatorMetrics, max_waiting: int):
+                 metrics: CoordinatorMetrics, max_waiting: int, max_queued_per_client: int):
         self.scheduler = scheduler
         self.frontends = frontends
         self.metrics = metrics
         self.max_waiting = max_waiting
+        self.max_queued_per_client = max_queued_per_client
         self.live: dict[tuple[int, int], Request] = {}
+        self.queued: Counter[str] = Counter()  # requests not yet scheduled, by client
 
     def __len__(self) -> int:
         return len(self.live)
@@ -48,8 +51,13 @@ class Requests:
         if len(self.scheduler.waiting) >= self.max_waiting:
             return self._refuse(frontend, msg.key, ErrorCode.OVERLOADED,
                                 "too many requests are queued")
+        if self.queued[msg.client] >= self.max_queued_per_client:
+            return self._refuse(frontend, msg.key, ErrorCode.OVERLOADED,
+                                f"this client has {self.max_queued_per_client} requests queued "
+                                "already (--max-queued-per-client)")
         req = Request(frontend=frontend, key=msg.key, params=msg, prompt_ids=prompt.tolist(),
-                      arrival=msg.arrival)
+                      arrival=msg.arrival, client=msg.client)
+        self.queued[msg.client] += 1
         self.scheduler.add_request(req)
         self.live[(frontend, msg.key)] = req
         self.metrics.prompt_tokens.inc(len(prompt) * msg.n)
@@ -68,7 +76,7 @@ class Requests:
                  and self.scheduler.finish(s, msg.reason)]
         if msg.reason == "abort":
             self.metrics.request_errors.labels(code=ErrorCode.ABORTED.value).inc()
-            self.live.pop((frontend, msg.key), None)
+            self._forget(req)
             return
         self.frontends.send(frontend, Outputs(finished=[
             Finished(req.key, s.index, s.finish_reason, s.preemptions) for s in ended]), [b""])
@@ -87,7 +95,7 @@ class Requests:
         """End every choice of `req` before its time and forget it (not counted as finished)."""
         for seq in req.seqs:
             self.scheduler.finish(seq, "abort")
-        self.live.pop((req.frontend, req.key), None)
+        self._forget(req)
 
     def fail(self, req: Request, code: ErrorCode, message: str) -> None:
         self._abort(req)
@@ -110,7 +118,19 @@ class Requests:
         for seq, _ in sched.batch:
             if seq.request.scheduled_time is None:
                 seq.request.scheduled_time = now
+                self._dequeue(seq.request)
                 self.metrics.queue.observe(now - seq.request.arrival)
+
+    def _forget(self, req: Request) -> None:
+        if self.live.pop((req.frontend, req.key), None) is not None and \
+                req.scheduled_time is None:
+            self._dequeue(req)
+
+    def _dequeue(self, req: Request) -> None:
+        """`req` leaves its client's queued count (scheduled, or ended before it was)."""
+        self.queued[req.client] -= 1
+        if self.queued[req.client] <= 0:
+            del self.queued[req.client]
 
     def outputs(self, out: StepOutput, now: float) -> None:
         """Each frontend's share of a step: rows of (key, index, token), then what ended."""
@@ -143,7 +163,7 @@ class Requests:
 
     def _close(self, req: Request) -> None:
         """Every choice of `req` has ended: count it, forget it."""
-        self.live.pop((req.frontend, req.key), None)
+        self._forget(req)
         self.metrics.e2e.observe(time.monotonic() - req.arrival)
         for seq in req.seqs:
             self.metrics.requests.labels(finish_reason=seq.finish_reason).inc()

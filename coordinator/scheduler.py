@@ -4,8 +4,13 @@ produced; it is the only class that changes a sequence's state, and it never mov
 
 Each step takes, in order: one row for every running sequence that is decoding, then prompt
 chunks of running sequences, then parked sequences restored (oldest first), then new sequences
-from the queue, within `max_batch_seqs` and `max_batch_tokens`. Pages are counted, not tokens: a
-partly filled tail page is charged in full and a step that crosses a page boundary costs a page.
+from the queue, within `max_batch_seqs` and `max_batch_tokens`. The queue is fair between
+clients: each request is tagged one past the later of its client's last tag and the tag last
+admitted (start-time fair queuing), and admitted in tag order, so a client that sends a
+thousand requests at once has them interleaved with everyone else's, not ahead of them.
+
+Pages are counted, not tokens: a partly filled tail page is charged in full and a step that
+crosses a page boundary costs a page.
 When a running sequence cannot grow, sequences worse than it (lower priority, then newer) are
 parked: their pages go to the park store and are freed. With the store full, a victim is
 dropped to recompute from its token history instead.
@@ -81,6 +86,8 @@ class Scheduler:
         self.steps_in_flight = 0
         self.decode_steps = 0  # since everyone was last parked (preempt_every)
         self.next_id = 0
+        self.admitted_tag = 0  # the fair queue's clock: the tag of the last request admitted
+        self.client_tags: dict[str, int] = {}  # each client's last tag
 
     def set_model(self, eos_ids: frozenset[int], max_context: int) -> None:
         self.eos_ids, self.max_context = eos_ids, max_context
@@ -96,13 +103,18 @@ class Scheduler:
         """Queue a request's `n` choices. They compute the prompt once: the first stops before
         its last token and hands its pages to the others (`fork`)."""
         p = req.params
+        tag = max(self.admitted_tag, self.client_tags.get(req.client, 0)) + 1
+        self.client_tags[req.client] = tag
+        if len(self.client_tags) > 4096:  # clients that are not ahead of the clock need no tag
+            self.client_tags = {c: t for c, t in self.client_tags.items()
+                                if t > self.admitted_tag}
         seed = p.seed if p.seed is not None else secrets.randbits(62)
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
         req.stop_ids = frozenset(stops)
         for i in range(p.n):
             req.seqs.append(Sequence(
                 id=self.next_id, request=req, index=i, token_ids=list(req.prompt_ids),
-                seed=seed if i == 0 else (seed + i * SEED_STRIDE) % (1 << 62)))
+                seed=seed if i == 0 else (seed + i * SEED_STRIDE) % (1 << 62), tag=tag))
             self.next_id += 1
         parent = req.seqs[0]
         self.add(parent)
@@ -113,7 +125,13 @@ class Scheduler:
                 self.add(seq)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue `seq` after every waiting sequence whose tag is not later than its own."""
+        later = 0
+        for other in reversed(self.waiting):
+            if other.tag <= seq.tag:
+                break
+            later += 1
+        self.waiting.insert(len(self.waiting) - later, seq)
 
     def holds(self, seq: Sequence) -> bool:
         return seq in self.running or seq in self.waiting or seq in self.parked
@@ -292,6 +310,7 @@ class Scheduler:
             if not self._reserve(seq, n):
                 break
             self.waiting.popleft()
+            self.admitted_tag = max(self.admitted_tag, seq.tag)
             self.running.append(seq)
             out.batch.append((seq, n))
             budget -= n

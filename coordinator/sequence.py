@@ -18,6 +18,7 @@ class Request:
     params: Submit
     prompt_ids: list[int]
     arrival: float  # time.monotonic() when its frontend received it
+    client: str = ""  # who sent it, for the fair queue and the per-client bound
     seqs: list[Sequence] = field(default_factory=list)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -48,6 +49,7 @@ class Sequence:
     announced: bool = False  # the workers know its sampling parameters
     finish_reason: str | None = None
     preemptions: int = 0
+    tag: int = 0  # its request's place in the fair queue (Scheduler.add_request)
 
     def __post_init__(self) -> None:
         self.n_prompt = len(self.token_ids)

@@ -18,8 +18,9 @@ from .config import CoordinatorConfig, threads_per_worker
 
 log = logging.getLogger("siding.coordinator")
 
-MAX_RESTARTS = 3  # restarts within RESTART_WINDOW before the cluster gives up
+MAX_RESTARTS = 3  # restarts within RESTART_WINDOW that start at once; later ones back off
 RESTART_WINDOW = 60.0
+MAX_BACKOFF = 30.0  # seconds: the longest wait before the next restart
 
 
 class StartupError(RuntimeError):
@@ -39,9 +40,10 @@ class WorkerHandle:
 
 
 class WorkerGroup:
-    def __init__(self, sock: zmq.Socket, config: CoordinatorConfig):
+    def __init__(self, sock: zmq.Socket, config: CoordinatorConfig, link_keys: str | None):
         self.sock = sock
         self.config = config
+        self.link_keys = link_keys  # CURVE keys of the worker links, handed to local workers
         self.handles: list[WorkerHandle] = []  # by rank once assigned
         self.pending: list[WorkerHandle] = []  # registered, not yet assigned
         self.processes: list[subprocess.Popen] = []
@@ -60,8 +62,8 @@ class WorkerGroup:
         for rank, device in enumerate(c.devices):
             cmd = [sys.executable, "-m", "worker", "--coordinator", endpoint, "--rank", str(rank),
                    "--device", device, "--threads", str(threads), "--exit-with-parent"]
-            if c.curve_keys:
-                cmd += ["--curve-keys", c.curve_keys]
+            if self.link_keys:
+                cmd += ["--curve-keys", self.link_keys]
             self.processes.append(subprocess.Popen(cmd))
 
     def stop_local(self, timeout: float = 10.0) -> None:
@@ -86,16 +88,26 @@ class WorkerGroup:
         self.ready = False
         self.deadline = time.monotonic() + self.config.startup_timeout
 
-    def note_restart(self, now: float, reason: str) -> None:
-        """Count a restart; raise StartupError(reason) when the group may not restart (remote
-        workers, or too many restarts lately)."""
-        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW] + [now]
-        if not self.config.spawn_workers or len(self.restarts) > MAX_RESTARTS:
+    def note_restart(self, now: float, reason: str) -> float:
+        """Count a restart; returns how long to wait before it: nothing for the first
+        MAX_RESTARTS in RESTART_WINDOW, then 2, 4, 8, ... seconds up to MAX_BACKOFF. Raises
+        StartupError(reason) when the group cannot restart (remote workers)."""
+        if not self.config.spawn_workers:
             raise StartupError(reason)
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW] + [now]
+        beyond = len(self.restarts) - MAX_RESTARTS
+        return 0.0 if beyond <= 0 else min(MAX_BACKOFF, 2.0 ** beyond)
 
-    def restart(self) -> None:
+    def halt(self) -> None:
+        """Stop the local processes and forget the handshake: not ready until `begin`."""
         self.stop_local(timeout=2.0)
         self.processes = []
+        self.pending = []
+        self.handles = []
+        self.ready = False
+
+    def restart(self) -> None:
+        self.halt()
         self.begin()
 
     def on_startup_message(self, identity: bytes, msg) -> None:
@@ -218,6 +230,7 @@ class WorkerGroup:
 
     def describe(self) -> list[dict]:
         return [{"rank": h.rank, "device": h.reg.device, "pid": h.reg.pid,
-                 "host": h.reg.hostname, "layers": list(h.layers), "alive": h.alive}
+                 "host": h.reg.hostname, "layers": list(h.layers), "alive": h.alive,
+                 "data_endpoint": h.reg.data_endpoint}
                 for h in self.handles]
 

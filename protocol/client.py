@@ -32,7 +32,7 @@ from .security import secure_client
 from .wire import MAX_MESSAGE_BYTES, decode, encode
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
-SILENCE_SECONDS = 5.0  # a server sends keepalives every second; this long without any, it is gone
+SILENCE_SECONDS = 3.0  # a server sends keepalives every second; this long without any, it is gone
 
 _clients = itertools.count()
 
@@ -87,12 +87,14 @@ def build_generate(
     n: int = 1,
     request_id: str | None = None,
     stream: bool = False,
+    user: str | None = None,
 ) -> Generate:
     """The Generate message for a call's options, checked as the server checks it.
 
     Give one of `prompt`, `prompt_token_ids` or `messages` (chat: role/content maps, rendered
-    with the model's chat template). Bad options raise ProtocolError (`invalid_request`) before
-    anything is sent.
+    with the model's chat template). `user` names whom the request is for: the server's queue is
+    fair between users (by default, between client connections). Bad options raise
+    ProtocolError (`invalid_request`) before anything is sent.
     """
     header = {
         "request_id": uuid.uuid4().hex if request_id is None else request_id,
@@ -110,6 +112,7 @@ def build_generate(
         "priority": priority,
         "n": n,
         "stream": stream,
+        "user": user,
     }
     msg = from_header(Generate, header)
     msg.check()
@@ -224,8 +227,8 @@ class ClientBase:
 
     def _silent(self, key: str | None) -> RequestError:
         return RequestError(
-            ErrorCode.INTERNAL, f"lost the server at {self.endpoint}: nothing heard from it, not "
-            f"even a keepalive, for {self.silence_timeout:g}s", key
+            ErrorCode.UNAVAILABLE, f"lost the server at {self.endpoint}: nothing heard from it, "
+            f"not even a keepalive, for {self.silence_timeout:g}s", key
         )
 
     def _wait_limits(self, started: float) -> tuple[float | None, float | None]:

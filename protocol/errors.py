@@ -12,6 +12,7 @@ class ErrorCode(str, Enum):
     OVERLOADED = "overloaded"
     ABORTED = "aborted"
     WORKER_FAILED = "worker_failed"
+    UNAVAILABLE = "unavailable"  # the server went away: nothing heard from it, not even keepalives
     INTERNAL = "internal"
 
 

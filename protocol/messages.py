@@ -52,6 +52,8 @@ MAX_ID = 128  # characters in a request id
 MAX_TEXT = 1 << 20  # characters in a prompt or a chat message
 MAX_TOKENS_LIST = 1 << 20  # token ids in one list
 MAX_LIST = 1 << 16  # items in any other list
+MAX_STOP_CHARS = 256  # characters in one stop string
+MAX_PRIORITY = 1000  # priorities are in [-1000, 1000]; higher runs first and is preempted last
 
 
 def limit(max_len: int | None = None, lo: float | None = None, hi: float | None = None) -> dict:
@@ -88,9 +90,10 @@ class Generate:
     stop: list[str] = _field([], max_len=64)
     stop_token_ids: list[int] = _field([], max_len=1024)
     ignore_eos: bool = _field(False)
-    priority: int = _field(0, lo=-(1 << 31), hi=(1 << 31) - 1)
+    priority: int = _field(0, lo=-MAX_PRIORITY, hi=MAX_PRIORITY)
     n: int = _field(1, lo=1, hi=64)
     stream: bool = _field(False)
+    user: str | None = _field(None, max_len=256)  # whom the fair queue counts it for
 
     def check(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
@@ -102,6 +105,13 @@ class Generate:
             raise ProtocolError("top_p must be in (0, 1]")
         if any(s == "" for s in self.stop):
             raise ProtocolError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ProtocolError(f"field 'stop': a stop string is longer than {MAX_STOP_CHARS} "
+                                "characters")
+        if self.messages is not None and (
+                total := sum(len(m.content) for m in self.messages)) > MAX_TEXT:
+            raise ProtocolError(f"field 'messages' holds {total} characters of content; the "
+                                f"limit is {MAX_TEXT} in all")
         if any(t < 0 for t in self.stop_token_ids) or any(
             t < 0 for t in self.prompt_token_ids or ()
         ):
@@ -364,8 +374,9 @@ class Submit:
     seed: int | None = _field(None, lo=0, hi=(1 << 63) - 1)
     stop_token_ids: list[int] = _field([], max_len=1024)
     ignore_eos: bool = _field(False)
-    priority: int = _field(0, lo=-(1 << 31), hi=(1 << 31) - 1)
+    priority: int = _field(0, lo=-MAX_PRIORITY, hi=MAX_PRIORITY)
     arrival: float = _field(0.0)  # time.monotonic() when the frontend received it
+    client: str = _field("", max_len=300)  # whom the fair queue counts it for
 
 
 @dataclass(slots=True)

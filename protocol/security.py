@@ -15,12 +15,14 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import os
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import zmq
 from zmq.auth import create_certificates, load_certificate
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 SERVER = "server"
 CLIENT = "client"
@@ -76,6 +78,29 @@ def generate_keys(keys_dir: str | os.PathLike) -> Path:
         _, secret_file = create_certificates(path, name)
         os.chmod(secret_file, 0o600)  # zmq writes it with the umask's permissions
     return path
+
+
+def count_rejections(socket: zmq.Socket, on_reject) -> threading.Thread:
+    """Call `on_reject()` for every peer of `socket` whose handshake failed (no keys, wrong
+    keys, not speaking CURVE), from a thread reading the socket's monitor."""
+    events = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+              | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    monitor = socket.get_monitor_socket(events)
+
+    def read() -> None:
+        while True:
+            try:
+                event = recv_monitor_message(monitor)
+            except zmq.ZMQError:  # the context is going away
+                return
+            if event["event"] & events:
+                on_reject()
+            elif event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                return
+
+    thread = threading.Thread(target=read, name="auth-monitor", daemon=True)
+    thread.start()
+    return thread
 
 
 def secure_server(socket: zmq.Socket, keys_dir: str | os.PathLike) -> ThreadAuthenticator:

@@ -6,6 +6,7 @@ maps, lists, strings, numbers, booleans and None. Nothing on any socket is unpic
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,9 @@ from .messages import FRAMES, MESSAGES, MsgType, from_header, to_header
 VERSION = b"SIDING/1"
 MAX_HEADER_BYTES = 64 << 20  # a READY carries the tokenizer; everything else is far smaller
 MAX_MESSAGE_BYTES = 1 << 30  # socket MAXMSGSIZE: activations of a large prefill fit
+# A frontend's client socket: ZeroMQ drops a client that sends more, before Python sees it. The
+# largest valid request (a prompt of 1 Mi characters or ids, or chats of as much) is far under.
+MAX_CLIENT_MESSAGE_BYTES = 16 << 20
 
 
 def encode(msg: Any, frames: Sequence[bytes | memoryview] = ()) -> list[bytes | memoryview]:
@@ -69,11 +73,15 @@ def send(sock: zmq.Socket, parts: Sequence[bytes | memoryview], flags: int = 0) 
         _send(sock, part, flags | zmq.SNDMORE if i < last else flags)
 
 
-def drain(sock: zmq.Socket, handle, malformed, limit: int = 1000) -> None:
-    """What a ROUTER holds now (at most `limit` messages, so one busy peer cannot hold a loop):
-    `handle(identity, msg, frames)` for each message that decodes, `malformed(identity, error)`
-    for each that does not."""
+def drain(sock: zmq.Socket, handle, malformed, limit: int = 1000,
+          seconds: float | None = None) -> None:
+    """What a ROUTER holds now, but at most `limit` messages or `seconds`, so that one busy peer
+    cannot hold a loop: `handle(identity, msg, frames)` for each message that decodes,
+    `malformed(identity, error)` for each that does not."""
+    deadline = None if seconds is None else time.monotonic() + seconds
     for _ in range(limit):
+        if deadline is not None and time.monotonic() > deadline:
+            return
         try:
             parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:

@@ -43,6 +43,9 @@ class WorkerMetrics:
         self.ahead_steps = Counter("siding_ahead_steps",
                                    "Decode steps enqueued before their plan arrived, by outcome",
                                    [*own, "outcome"], registry=r)
+        self.rejected = Counter("siding_rejected_connections",
+                                "Peers refused by CURVE authentication, by socket",
+                                [*own, "socket"], registry=r)
         # Children resolved once: the ring reports per layer, where a label lookup would show.
         self._own = {"worker": str(rank), "device": device}
         self._bytes = {p: self.transfer_bytes.labels(**self._own, path=p) for p in TRANSFER_PATHS}
@@ -53,8 +56,13 @@ class WorkerMetrics:
         self._wait = self.transfer_wait.labels(**self._own)
         self._forward = self.forward_seconds.labels(**self._own)
         self._ahead = {o: self.ahead_steps.labels(**self._own, outcome=o) for o in AHEAD_OUTCOMES}
+        self._rejected = self.rejected.labels(**self._own, socket="activations")
         self.ring(0, 0, pipeline_depth)
         self.exact_mode.labels(**self._own).set(int(exact))
+
+    def reject(self, n: int = 1) -> None:
+        """`n` peers of the activation socket failed its authentication."""
+        self._rejected.inc(n)
 
     def transfer(self, path: str, nbytes: int, copies: int = 1) -> None:
         """`copies` copies moved `nbytes` in all on `path` (ahead, ordered or writeback)."""

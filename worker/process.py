@@ -80,6 +80,10 @@ class Worker:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.auth = security.secure_server(self.pull, curve_keys) if curve_keys else None
+        self.metrics: WorkerMetrics | None = None
+        self.rejected = 0  # peers refused before the metrics exist
+        if curve_keys:
+            security.count_rejections(self.pull, self._rejected)
         port = self.pull.bind_to_random_port(f"tcp://{advertise}")
         self.data_endpoint = f"tcp://{advertise}:{port}"
         self.push: zmq.Socket | None = None
@@ -93,6 +97,13 @@ class Worker:
         self.overlap = False  # set by _load
         self.ahead: Ahead | None = None  # a step enqueued before its plan arrived
         self.last_plan: Step | None = None  # the last plan run, to tell a steady batch
+
+    def _rejected(self) -> None:
+        log.warning("refused a peer of the activation socket: it lacks the cluster's keys")
+        if self.metrics is None:
+            self.rejected += 1
+        else:
+            self.metrics.reject()
 
     def _dealer(self) -> zmq.Socket:
         s = self.ctx.socket(zmq.DEALER)
@@ -137,7 +148,9 @@ class Worker:
 
     def _load(self, a: Assign) -> Ready:
         t0 = time.perf_counter()
-        self.metrics = WorkerMetrics(a.rank, self.device, a.pipeline_depth, a.exact)
+        metrics = WorkerMetrics(a.rank, self.device, a.pipeline_depth, a.exact)
+        metrics.reject(self.rejected)
+        self.metrics = metrics
         if a.metrics_port is not None:
             try:
                 self.metrics.serve(a.metrics_port, self.advertise)

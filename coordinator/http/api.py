@@ -87,7 +87,7 @@ class Api:
         body = await _parse(request, CompletionRequest)
         self._check_model(body.model)
         body.refuse_unsupported()
-        options = body.options(body.max_tokens or 16)
+        options = body.options(body.max_tokens or 16, _user(request, body))
         msgs = [build_generate(**prompt, **options) for prompt in body.prompts()]
         return await self._respond(request, body, msgs, chat=False)
 
@@ -97,7 +97,7 @@ class Api:
         body.refuse_unsupported()
         messages = [m.as_template_input() for m in body.messages]
         limit = body.token_limit
-        msg = build_generate(messages=messages, **body.options(limit or 1))
+        msg = build_generate(messages=messages, **body.options(limit or 1, _user(request, body)))
         if limit is None:  # as many tokens as the context and the pool leave
             msg.prompt_token_ids, msg.messages = prompt_ids(msg, self.codec), None
             room = min(self.serve.model.max_context, self.serve.kv_pages * self.serve.page_size)
@@ -357,6 +357,13 @@ def _is_type_tag(part: Any) -> bool:
     """pydantic names a union's member in the error's location (`str`, `list[int]`)."""
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
                                       or "[" in part or part[:1].isupper())
+
+
+def _user(request: Request, body: Any) -> str | None:
+    """Whom the fair queue counts a call for: its `user`, else the address it came from."""
+    if body.user is not None:
+        return body.user
+    return None if request.client is None else f"http:{request.client.host}"
 
 
 def _usage(results: list[Result]) -> dict:

@@ -15,6 +15,7 @@ STATUS = {
     ErrorCode.OVERLOADED.value: (503, "server_error"),
     ErrorCode.ABORTED.value: (499, "invalid_request_error"),
     ErrorCode.WORKER_FAILED.value: (503, "server_error"),
+    ErrorCode.UNAVAILABLE.value: (503, "server_error"),
     ErrorCode.INTERNAL.value: (500, "server_error"),
 }
 

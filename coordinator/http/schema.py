@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from protocol.messages import MAX_PRIORITY
+
 from .errors import ApiError, unsupported
 
 
@@ -35,12 +37,12 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored, as the contract says
+    user: str | None = Field(None, max_length=256)  # the fair queue shares between users
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # siding's own
-    priority: int = Field(0, ge=-(1 << 31), le=(1 << 31) - 1)
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     ignore_eos: bool = False
     top_k: int = Field(0, ge=-1, le=1 << 24)  # 0 or -1: off
     stop_token_ids: list[int] | None = None
@@ -61,9 +63,10 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def options(self, max_tokens: int) -> dict[str, Any]:
+    def options(self, max_tokens: int, user: str | None) -> dict[str, Any]:
         """`build_generate`'s options, but for the prompt."""
         return {
+            "user": user,
             "max_tokens": max_tokens,
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,

@@ -177,3 +177,37 @@ def test_a_held_prompt_joins_once_it_has_waited_the_hold():
     a.n_computed, a.token_ids = 3, a.token_ids[:3] + [7]
     time.sleep(0.06)
     assert [x.id for x, _ in s.schedule().batch] == [0, 1]
+
+
+def client_request(key: int, client: str, prompt_len: int = 2) -> Request:
+    return Request(frontend=0, key=key, params=Submit(key=key, max_tokens=1),
+                   prompt_ids=list(range(1, prompt_len + 1)), arrival=float(key), client=client)
+
+
+def run_step(s: Scheduler) -> list[Sequence]:
+    """One step out and back, each sequence sampling token 5 (max_tokens 1 ends it)."""
+    sched = s.next_step()
+    seqs = [q for q, _ in sched.batch]
+    s.update_from_output(sched, [q.id for q in seqs], [5] * len(seqs))
+    return seqs
+
+
+def test_a_flood_from_one_client_does_not_queue_ahead_of_another():
+    s = make_scheduler(4096, 16, 4, 512)
+    for i in range(1000):
+        s.add_request(client_request(i, "flood"))
+    assert [q.request.client for q in run_step(s)] == ["flood"] * 4
+    lone = client_request(5000, "lone")
+    s.add_request(lone)
+    assert lone.seqs[0] in run_step(s)  # the next step, not 250 steps later
+    assert s.waiting[0].request.client == "flood" and len(s.waiting) == 1000 - 7
+
+
+def test_the_fair_queue_keeps_each_clients_order_and_alternates_between_clients():
+    s = make_scheduler(4096, 16, 2, 512)
+    for i in range(6):
+        s.add_request(client_request(i, "a"))
+    for i in range(6, 9):
+        s.add_request(client_request(i, "b"))
+    order = [q.request.key for _ in range(5) for q in run_step(s)]
+    assert order == [0, 6, 1, 7, 2, 8, 3, 4, 5]
