@@ -39,7 +39,7 @@ def listen(address: str) -> socket.socket:
         sock.listen(1024)
     except OSError as e:
         sock.close()
-        raise OSError(e.errno, f"--http {address}: cannot listen on {host}:{port}: "
+        raise OSError(f"--http {address}: cannot listen on {host}:{port}: "
                       f"{e.strerror}") from None
     sock.set_inheritable(True)
     return sock

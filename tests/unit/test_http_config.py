@@ -51,3 +51,16 @@ def test_the_key_comes_from_a_file_and_stays_out_of_status(tmp_path):
             ["launch", "--api-key", "a", "--api-key-file", str(key)]))
     with pytest.raises(ValueError, match="non-empty"):
         CoordinatorConfig(api_key=" ")
+
+
+def test_a_port_in_use_is_named_with_the_flag():
+    import socket
+
+    from coordinator.http.address import listen
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"--http 127.0.0.1:{port}: cannot listen .*in use"):
+            listen(f"127.0.0.1:{port}")
