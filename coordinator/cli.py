@@ -26,8 +26,12 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         args.func(args)
+        sys.stdout.flush()  # here, so that a closed pipe is caught below
     except KeyboardInterrupt:
         raise SystemExit(130) from None
+    except BrokenPipeError:  # `siding status | head -1`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
     except Exception as e:
         if args.debug:
             raise
@@ -38,19 +42,26 @@ def main(argv: list[str] | None = None) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="siding", description="siding: distributed LLM inference")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    # `--debug` after the command works too; SUPPRESS keeps it from undoing one before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks and debug logs")
     sub = p.add_subparsers(metavar="COMMAND")
 
-    launch = sub.add_parser("launch", help="start a coordinator and local workers")
+    def command(name: str, **options) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], **options)
+
+    launch = command("launch", help="start a coordinator and local workers")
     _cluster_args(launch)
     launch.set_defaults(func=cmd_launch, spawn=True)
 
-    coord = sub.add_parser("coordinator", help="start a coordinator that waits for workers")
+    coord = command("coordinator", help="start a coordinator that waits for workers")
     _cluster_args(coord)
     coord.set_defaults(func=cmd_launch, spawn=False)
 
-    sub.add_parser("worker", help="start a worker (see `siding worker --help`)")
+    command("worker", help="start a worker (see `siding worker --help`)")
 
-    gen = sub.add_parser("generate", help="complete a prompt")
+    gen = command("generate", help="complete a prompt")
     gen.add_argument("prompt")
     _endpoint(gen)
     _sampling_args(gen)
@@ -58,29 +69,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the whole result as JSON")
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="chat interactively, streaming replies")
+    chat = command("chat", help="chat interactively, streaming replies")
     _endpoint(chat)
     _sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=cmd_chat)
 
-    status = sub.add_parser("status", help="show a running cluster")
+    status = command("status", help="show a running cluster")
     _endpoint(status)
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)
 
-    demo = sub.add_parser("demo", help="launch on the default model, run prompts, stop")
+    demo = command("demo", help="launch on the default model, run prompts, stop")
     demo.add_argument("--model", default="smollm2-135m")
     demo.add_argument("--workers", type=int, default=2)
     demo.set_defaults(func=cmd_demo)
 
-    bench = sub.add_parser("bench", help="benchmarks; results under bench-results/",
+    bench = command("bench", help="benchmarks; results under bench-results/",
                            description="run a benchmark scenario (a module of `benchmarks`): "
                            "decode, ...; `siding bench SCENARIO --help` lists its options")
     bench.add_argument("scenario")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
 
-    keys = sub.add_parser("keys", help="write CURVE key pairs for non-loopback binds")
+    keys = command("keys", help="write CURVE key pairs for non-loopback binds")
     keys.add_argument("dir")
     keys.set_defaults(func=cmd_keys)
     return p
@@ -194,7 +205,12 @@ def cmd_launch(args: argparse.Namespace) -> None:
     engine = EngineCore(config)
     try:
         if config.metrics_port:
-            engine.metrics.serve(config.metrics_port, _host(config.listen))
+            host = _host(config.listen)
+            try:
+                engine.metrics.serve(config.metrics_port, host)
+            except OSError as e:
+                raise OSError(f"--metrics-port {config.metrics_port}: cannot listen on "
+                              f"{host}:{config.metrics_port}: {e.strerror}") from None
         if args.write_prometheus_config and config.spawn_workers:
             _write_prometheus_config(args.write_prometheus_config, config, None)
         where = "local" if config.spawn_workers else "remote"

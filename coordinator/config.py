@@ -91,6 +91,13 @@ class CoordinatorConfig:
             check_http_bind(host, self.api_key, self.insecure)
         need(self.api_key is None or self.api_key.strip() == self.api_key != "",
              "--api-key must be non-empty, without surrounding whitespace")
+        for flag, endpoint in [("--worker-listen", self.worker_listen),
+                               *(("--listen", e) for e in self.listen.split(","))]:
+            transport, sep, address = endpoint.partition("://")
+            need(sep and address and transport in ("tcp", "ipc") and (
+                transport == "ipc" or ":" in address),
+                 f"{flag} {endpoint!r}: give an endpoint such as tcp://127.0.0.1:5555 "
+                 "(or ipc:///path)")
         given = self.listen.split(",")
         need(len(given) <= self.frontends,
              f"--listen names {len(given)} endpoints for {self.frontends} frontend(s)")

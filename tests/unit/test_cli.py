@@ -1,0 +1,54 @@
+"""The `siding` command's own behaviour: flags where a user puts them, clear errors, pipes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from coordinator.cli import build_parser
+from coordinator.config import CoordinatorConfig
+
+
+@pytest.mark.parametrize("argv, debug", [
+    (["status"], False), (["--debug", "status"], True), (["status", "--debug"], True),
+    (["generate", "hi", "--debug"], True), (["--debug", "launch"], True),
+])
+def test_debug_goes_before_or_after_the_command(argv, debug):
+    assert build_parser().parse_args(argv).debug is debug
+
+
+@pytest.mark.parametrize("flag, value", [("listen", "foo"), ("listen", "tcp://nohostport"),
+                                         ("worker_listen", "udp://1.2.3.4:5")])
+def test_a_bad_endpoint_is_named_as_one(flag, value):
+    with pytest.raises(ValueError, match="give an endpoint such as tcp://"):
+        CoordinatorConfig(**{flag: value})
+
+
+def run_cli(*args: str, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "coordinator", *args], stdout=stdout,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    r, w = os.pipe()
+    os.close(r)  # as `| head -1` does once it has its line
+    try:
+        out = run_cli("keys", str(tmp_path / "keys"), stdout=w)
+    finally:
+        os.close(w)
+    assert out.returncode == 1 and out.stderr == "", out.stderr
+
+
+def test_a_metrics_port_in_use_is_named_with_its_address():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = run_cli("launch", "--model", "synthetic:tiny", "--metrics-port", str(port),
+                      "--listen", "tcp://127.0.0.1:*", "--worker-listen", "tcp://127.0.0.1:*")
+    assert out.returncode == 1
+    assert f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
