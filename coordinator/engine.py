@@ -328,7 +328,6 @@ class EngineCore:
         self.outage_since = self.outage_since or now
         self.inflight.clear()
         self.metrics.preemptions.labels(action="recompute").inc(self.scheduler.recompute_all())
-        self.metrics.workers_up.set(0)
         if delay:
             self.workers.halt()
             self.retry_at = now + delay

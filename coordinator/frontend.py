@@ -154,7 +154,7 @@ class Frontend:
         if self.parent is not None and os.getppid() != self.parent:
             log.warning("the engine core went away; frontend %d exits", self.index)
             raise SystemExit(1)
-        if self.http is not None and self.http.thread is not None and not self.http.alive:
+        if self.http is not None and self.http.stopped:
             log.error("frontend %d: the HTTP server stopped; exiting to be restarted",
                       self.index)
             raise SystemExit(1)

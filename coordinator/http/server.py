@@ -42,8 +42,9 @@ class HttpServer:
         self.thread.start()
 
     @property
-    def alive(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
+    def stopped(self) -> bool:
+        """Started, and its thread has ended (uvicorn exited or crashed)."""
+        return self.thread is not None and not self.thread.is_alive()
 
     async def _serve(self, client: AsyncClient) -> None:
         try:
