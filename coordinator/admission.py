@@ -17,8 +17,7 @@ def prompt_ids(msg: Generate, codec: TextCodec) -> list[int]:
         return list(msg.prompt_token_ids)
     try:
         if msg.messages is not None:
-            text = codec.render_chat([asdict(m) for m in msg.messages])
-            return codec.tokenizer.encode(text, add_special_tokens=False).ids
+            return codec.encode(codec.render_chat([asdict(m) for m in msg.messages]), bos=False)
         return codec.encode(msg.prompt)
     except Exception as e:  # a template or tokenizer error is the request's fault
         raise RequestError(ErrorCode.INVALID_REQUEST,

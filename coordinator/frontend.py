@@ -1,8 +1,9 @@
 """A frontend process: clients in, token ids to the engine core, text back to clients.
 
 It owns a client ROUTER (`--listen`) and a DEALER to the core's private ipc socket. Clients'
-requests are validated, tokenized (chat templates too) and checked against the model's context
-and the KV pool here, then submitted as token ids; the core's outputs (token ids, finish
+requests are validated, tokenized (chat templates too; large prompts on a thread of their own,
+`prompts.py`) and checked against the model's context and the KV pool here, then submitted as
+token ids; the core's outputs (token ids, finish
 reasons) are detokenized, searched for stop strings (a stop string cancels its choice in the
 core), streamed and gathered into results. Aborts, clients that go away, keepalives and
 `status` are handled here too. Nothing here can delay a step: the core never waits on a
@@ -50,6 +51,7 @@ from protocol.wire import MAX_CLIENT_MESSAGE_BYTES, MAX_MESSAGE_BYTES, decode, e
 from .admission import check_fits, prompt_ids
 from .http.server import HttpServer
 from .output import RequestOutput
+from .prompts import INLINE_CHARS, PromptJob, PromptTokenizer, text_chars
 from .text import TextCodec
 
 log = logging.getLogger("siding.frontend")
@@ -77,6 +79,7 @@ class Frontend:
         self.core.connect(core)
         self.clients: zmq.Socket | None = None
         self.codec: TextCodec | None = None
+        self.prompts: PromptTokenizer | None = None  # large prompts, tokenized off the loop
         self.serve_msg: Serve | None = None
         self.requests: dict[int, RequestOutput] = {}
         self.by_client: dict[tuple[bytes, str], int] = {}  # (client, request id) -> key
@@ -101,6 +104,7 @@ class Frontend:
                 self._to_core(Heartbeat(rank=self.index))
             self._check_parent()
         self.codec = TextCodec(self.serve_msg.model)
+        self.prompts = PromptTokenizer(self.ctx, self.serve_msg.model)
         self.clients = self._bind(self.listen)
         endpoint = self.clients.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.http is not None:  # a client like any other, over inproc (no CURVE there)
@@ -125,6 +129,7 @@ class Frontend:
         poller = zmq.Poller()
         poller.register(self.core, zmq.POLLIN)
         poller.register(self.clients, zmq.POLLIN)
+        poller.register(self.prompts.ready, zmq.POLLIN)
         last_beat = last_check = 0.0
         while True:
             events = dict(poller.poll(round(KEEPALIVE_SECONDS * 1000 / 2)))
@@ -132,6 +137,9 @@ class Frontend:
                 return
             if self.clients in events:
                 self._drain_clients()
+            if self.prompts.ready in events:
+                for job in self.prompts.finished():
+                    self._submit_tokenized(job)
             now = time.monotonic()
             if now - last_beat >= HEARTBEAT_SECONDS / 2:
                 last_beat = now
@@ -146,6 +154,8 @@ class Frontend:
     def close(self) -> None:
         if self.http is not None:
             self.http.stop()
+        if self.prompts is not None:
+            self.prompts.close()
         if self.auth is not None:
             self.auth.stop()
         self.ctx.destroy(linger=0)
@@ -270,6 +280,7 @@ class Frontend:
             if key is not None:
                 self._forget(self.requests[key])
                 self._to_core(Cancel(key=key, reason="abort"))
+            if key is not None or self.prompts.cancel(identity, msg.request_id):
                 self._send(identity, Error(code=ErrorCode.ABORTED.value,
                                            message="aborted by the client",
                                            request_id=msg.request_id))
@@ -281,11 +292,28 @@ class Frontend:
 
     def _admit(self, identity: bytes, msg: Generate) -> None:
         msg.check()
-        if (identity, msg.request_id) in self.by_client:
+        if (identity, msg.request_id) in self.by_client or (
+                (identity, msg.request_id) in self.prompts.pending):
             raise RequestError(ErrorCode.INVALID_REQUEST,
                                f"request id {msg.request_id!r} is already in use")
         arrival = time.monotonic()
-        prompt = prompt_ids(msg, self.codec)
+        if text_chars(msg) > INLINE_CHARS:
+            self.prompts.submit(PromptJob(identity, msg, arrival, last_sent=arrival))
+        else:
+            self._submit(identity, msg, arrival, prompt_ids(msg, self.codec))
+
+    def _submit_tokenized(self, job: PromptJob) -> None:
+        try:
+            if job.error is not None:
+                raise job.error
+            self._submit(job.client, job.msg, job.arrival, job.prompt)
+        except RequestError as e:
+            self.errors[e.code] += 1
+            self._send(job.client, Error(code=e.code, message=e.message,
+                                         request_id=job.msg.request_id))
+
+    def _submit(self, identity: bytes, msg: Generate, arrival: float, prompt: list[int]) -> None:
+        """A tokenized request: checked against the context and the pool, then to the core."""
         s = self.serve_msg
         check_fits(prompt, msg, s.model, s.kv_pages, s.page_size)
         key = self.next_key
@@ -315,11 +343,12 @@ class Frontend:
             for out in [o for o in self.requests.values() if o.client == identity]:
                 self._forget(out)
                 self._to_core(Cancel(key=out.key, reason="abort"))
+            self.prompts.cancel(identity)
             log.info("client %s went away; its requests were aborted", identity.hex())
             return False
 
     def _keepalive(self, now: float) -> None:
-        for out in list(self.requests.values()):
+        for out in [*self.requests.values(), *self.prompts.pending.values()]:
             if now - out.last_sent >= KEEPALIVE_SECONDS:
                 out.last_sent = now
                 self._send_frames(out.client, out.keepalive)

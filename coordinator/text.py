@@ -29,9 +29,11 @@ class TextCodec:
             env.globals["raise_exception"] = _raise
             self.template = env.from_string(info.chat_template)
 
-    def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        """Token ids of `text`, with the model's BOS first if it wants one and `bos`. A batch of
+        one, because `encode_batch` releases the GIL while it works and `encode` does not."""
+        ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        if bos and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id, *ids]
         return ids
 

@@ -112,6 +112,37 @@ def test_a_burst_of_huge_requests_neither_kills_nor_delays_anyone(cluster):
                                                            before["frontends"]]
 
 
+def test_prompts_slow_to_tokenize_do_not_hold_back_another_clients_stream(launch):
+    """A megabyte of digits takes the real tokenizer seconds (each digit is a token); the
+    frontend does it off its loop, so a stream beside it keeps its pace and its keepalives."""
+    real = launch("--workers", "1")
+    digits = "".join(random.Random(0).choice("0123456789") for _ in range(MAX_TEXT))
+    arrivals: list[float] = []
+    with Client(real.endpoint, timeout=120) as c:
+        hostile = zmq.Context.instance().socket(zmq.DEALER)
+        hostile.connect(real.endpoint)
+        for _ in c.stream("Once upon a time", max_tokens=48, ignore_eos=True):
+            arrivals.append(time.monotonic())
+            if len(arrivals) == 4:
+                for i in range(3):
+                    hostile.send_multipart(raw_generate({"request_id": f"d{i}",
+                                                         "prompt": digits}))
+                hostile.send_multipart(raw_generate({"request_id": "gone", "prompt": digits}))
+                hostile.send_multipart([VERSION, bytes([MsgType.ABORT]),
+                                        msgpack.packb({"request_id": "gone"})])
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+        assert len(arrivals) >= 48 and max(gaps) < 1.5, max(gaps)
+        replies = {}
+        while len(replies) < 4 and hostile.poll(60_000):
+            msg, _ = decode(hostile.recv_multipart())
+            if isinstance(msg, Error):
+                replies[msg.request_id] = (msg.code, msg.message)
+        hostile.close(0)
+    assert replies.pop("gone")[0] == "aborted"
+    assert all(code == "too_long" and "tokens" in text
+               for code, text in replies.values()) and len(replies) == 3, replies
+
+
 def test_a_message_past_the_size_limit_never_reaches_python(cluster):
     with Client(cluster.endpoint, timeout=60) as c:
         hostile = zmq.Context.instance().socket(zmq.DEALER)
