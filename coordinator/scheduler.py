@@ -8,6 +8,12 @@ from the queue, within `max_batch_seqs` and `max_batch_tokens`. The queue is fai
 clients: each request is tagged one past the later of its client's last tag and the tag last
 admitted (start-time fair queuing), and admitted in tag order, so a client that sends a
 thousand requests at once has them interleaved with everyone else's, not ahead of them.
+Rows are shared fairly too: when every row is taken and the queue's next request is of a client
+running at least two sequences fewer than the client running the most, that client's worst
+sequence (lowest priority, then newest; never one above the newcomer's priority) is parked to
+make the row, and a parked sequence is not restored past the queue's next request while its
+client runs more than that request's. So long requests of one client, filling every row, give
+way to another client's within a step instead of when they end.
 
 Pages are counted, not tokens: a partly filled tail page is charged in full and a step that
 crosses a page boundary costs a page.
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .page_allocator import PageAllocator, pages_for
@@ -269,6 +275,7 @@ class Scheduler:
         pages reserved for it, sequences that had to make room preempted."""
         out = Schedule(copies=self.copies)
         self.copies = []
+        self._share_rows(out)
         budget = self.max_batch_tokens
         ready = [s for s in self.running if not s.in_flight]
         decoding = [s for s in ready if s.n_remaining == 1]
@@ -290,6 +297,8 @@ class Scheduler:
             return out  # never restore or admit in the step that had to make room
         while self.parked and len(out.batch) < self.max_batch_seqs and budget > 0:
             seq = self.parked[0]
+            if self._yields_row(seq):
+                break
             n = self.rows(seq, budget)
             if not self.allocator.can_allocate(len(seq.park_slots) + 1):
                 return out  # restores go first: nothing new is admitted past a parked one
@@ -315,6 +324,35 @@ class Scheduler:
             out.batch.append((seq, n))
             budget -= n
         return out
+
+    def _clients_running(self) -> Counter[str]:
+        return Counter(s.request.client for s in self.running)
+
+    def _share_rows(self, out: Schedule) -> None:
+        """Every row taken, and the queue's next sequence of a client running at least two
+        fewer than the one running the most: park that one's worst idle sequence (not above the
+        newcomer's priority), whose row the newcomer takes next step."""
+        if not self.waiting or len(self.running) < self.max_batch_seqs:
+            return
+        head = self.waiting[0]
+        counts = self._clients_running()
+        hog, most = counts.most_common(1)[0]
+        if counts[head.request.client] + 2 > most:
+            return
+        idle = [s for s in self.running if s.request.client == hog and not s.in_flight
+                and s.pages and s.priority <= head.priority]
+        if idle:
+            self.preempt(min(idle, key=self._rank), out)
+
+    def _yields_row(self, parked: Sequence) -> bool:
+        """Whether a parked sequence waits for the queue's next one: its client runs more
+        sequences than that one's (the rows went to it fairly; `_share_rows`)."""
+        if not self.waiting:
+            return False
+        counts = self._clients_running()
+        head = self.waiting[0]
+        return (parked.request.client != head.request.client and head.priority >= parked.priority
+                and counts[parked.request.client] > counts[head.request.client])
 
     def _hold_prefills(self) -> bool:
         """`prefill_hold`: while sequences decode, keep new prompts back until the oldest has

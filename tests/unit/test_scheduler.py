@@ -1,7 +1,7 @@
 import time
 
 from coordinator.page_allocator import PageAllocator
-from coordinator.scheduler import Scheduler
+from coordinator.scheduler import Schedule, Scheduler
 from coordinator.sequence import Request, Sequence
 from protocol.messages import Submit
 
@@ -211,3 +211,50 @@ def test_the_fair_queue_keeps_each_clients_order_and_alternates_between_clients(
         s.add_request(client_request(i, "b"))
     order = [q.request.key for _ in range(5) for q in run_step(s)]
     assert order == [0, 6, 1, 7, 2, 8, 3, 4, 5]
+
+
+def long_request(key: int, client: str, priority: int = 0) -> Request:
+    return Request(frontend=0, key=key, params=Submit(key=key, max_tokens=1000,
+                                                      priority=priority),
+                   prompt_ids=[1, 2], arrival=float(key), client=client)
+
+
+def run_tokens(s: Scheduler) -> Schedule:
+    sched = s.next_step()
+    seqs = [q for q, _ in sched.batch]
+    s.update_from_output(sched, [q.id for q in seqs], [5] * len(seqs))
+    return sched
+
+
+def test_rows_held_by_one_clients_long_requests_give_way_to_another_client():
+    s = make_scheduler(4096, 16, 4, 512)
+    hog = [long_request(i, "hog") for i in range(4)]
+    for r in hog:
+        s.add_request(r)
+    run_tokens(s)
+    assert len(s.running) == 4
+    lone = long_request(100, "lone")
+    s.add_request(lone)
+    parked = run_tokens(s).parks  # the newest of the hog's makes the row
+    assert [m.seq for m in parked] == [hog[3].seqs[0]]
+    assert lone.seqs[0] in [q for q, _ in run_tokens(s).batch]  # and lone takes it
+    for _ in range(5):  # the parked one waits: its client runs three, lone one
+        sched = run_tokens(s)
+        assert not sched.restores and not sched.parks and len(sched.batch) == 4
+    s.finish(lone.seqs[0], "stop")
+    assert [m.seq for m in run_tokens(s).restores] == [hog[3].seqs[0]]
+
+
+def test_rows_are_not_taken_from_a_client_one_ahead_or_of_higher_priority():
+    s = make_scheduler(4096, 16, 3, 512)
+    for i, client in enumerate(["a", "a", "b"]):
+        s.add_request(long_request(i, client))
+    run_tokens(s)
+    s.add_request(long_request(10, "b"))  # b runs one, a two: one apart is fair
+    assert not any(run_tokens(s).parks for _ in range(3))
+    s = make_scheduler(4096, 16, 3, 512)
+    for i in range(3):
+        s.add_request(long_request(i, "a", priority=5))
+    run_tokens(s)
+    s.add_request(long_request(10, "b", priority=0))
+    assert not any(run_tokens(s).parks for _ in range(3))
