@@ -22,9 +22,9 @@ import torch
 from coordinator.config import threads_per_worker
 from coordinator.local_cluster import LocalCluster
 from protocol import AsyncClient
+from worker.build import resolve_dtype
 from worker.loaders import DEFAULT_MODEL, resolve
 from worker.model import ModelArgs
-from worker.process import resolve_dtype
 
 from .report import (
     Series,
@@ -242,6 +242,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers arm")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="siding runs decode steps eagerly (`siding launch` flag)")
+    p.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
+                   help="decode steps enqueued ahead of their plan (`siding launch --overlap`)")
     p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
     args = p.parse_args(argv)
     for name, low in (("context", 1), ("tokens", 2), ("repeats", 1), ("workers", 1)):
@@ -262,7 +264,7 @@ def cluster_args(args: argparse.Namespace, dtype: torch.dtype, threads: int) -> 
         # in lockstep from the first token on.
         "--max-batch-tokens", str(max(512, biggest * args.context)),
         "--worker-threads", str(threads), "--kv", args.kv,
-        "--pipeline-depth", str(args.pipeline_depth),
+        "--pipeline-depth", str(args.pipeline_depth), "--overlap", args.overlap,
         *([] if args.cuda_graphs else ["--no-cuda-graphs"]),
     ]
 

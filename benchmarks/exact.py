@@ -21,8 +21,8 @@ import torch
 
 from coordinator.local_cluster import LocalCluster
 from protocol import AsyncClient
+from worker.build import resolve_dtype
 from worker.loaders import resolve
-from worker.process import resolve_dtype
 
 from .decode import LOWEST_PROMPT_ID, PROMPT_SEED, Sample, batch_sizes, dtype_name, timed_batch
 from .report import (

@@ -43,11 +43,13 @@ from typing import Any
 import torch
 
 from protocol.messages import SeqPlan, Step
+from worker.attention import choose_attention
 from worker.cuda_graphs import DecodeGraphs
-from worker.host_kv import HostKVPool
-from worker.kv_pool import KVPool
+from worker.kv.device_pool import KVPool
+from worker.kv.host_pool import HostKVPool
+from worker.kv.park_store import ParkStore
+from worker.kv.transport import make_transport
 from worker.loaders import resolve
-from worker.park_store import ParkStore
 from worker.runner import ModelRunner
 
 from .link import pinned_bandwidth, sync
@@ -185,6 +187,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--ring-budget-mib", type=int, default=512, help="as `siding launch`")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument("--transport-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--profile", type=int, default=0, metavar="CONTEXT",
                    help="at this context, also profile a few steps of the ordered arm and of the "
                    "first depth (torch.profiler: tables and Chrome traces under --out)")
@@ -212,14 +215,15 @@ def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
     n_pages = -(-(context + total_steps) // a.page_size)
     shape = (args.n_layers, n_pages, a.page_size, args.n_kv_heads, args.head_dim)
     pools: dict[str, KVPool | HostKVPool] = {}
+    attention = choose_attention(False, device, args.head_dim)
     for prefix in ("", "ahead ") if a.ahead else ("",):
-        pools[prefix + "device"] = KVPool(*shape, dtype, device)
+        pools[prefix + "device"] = KVPool(*shape, dtype, device, attention)
         for depth, group in [(0, None), *((d, g) for d in a.depths
                                           for g in [None, *a.slot_layers])]:
             name = f"depth {depth}" + (f" x{group}" if group else "") if depth else "ordered"
-            pools[prefix + name] = HostKVPool(*shape, dtype, device, depth=depth,
-                                              ring_budget_mib=a.ring_budget_mib,
-                                              slot_layers=group)
+            pools[prefix + name] = HostKVPool(
+                *shape, dtype, device, attention, depth=depth, ring_budget_mib=a.ring_budget_mib,
+                slot_layers=group, transport=make_transport(device, a.transport_delay_ms))
     first = pools["ordered"]
     g = torch.Generator().manual_seed(KV_SEED)
     for layer in range(args.n_layers):  # a layer at a time: a float32 draw of it all is large

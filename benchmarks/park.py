@@ -13,9 +13,10 @@ import time
 
 import torch
 
-from worker.kv_pool import KVPool
+from worker.attention import choose_attention
+from worker.kv.device_pool import KVPool
+from worker.kv.park_store import ParkStore
 from worker.loaders import resolve
-from worker.park_store import ParkStore
 
 from .link import pinned_bandwidth, sync
 from .report import (
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [int(x) for x in a.pages.split(",")]
     n_pages = 2 * max(sizes)
     pool = KVPool(args.n_layers, n_pages, a.page_size, args.n_kv_heads, args.head_dim, dtype,
-                  device)
+                  device, choose_attention(False, device, args.head_dim))
     pool.k.normal_()
     pool.v.normal_()
     store = ParkStore(pool, max(sizes))

@@ -62,12 +62,13 @@ from coordinator.config import threads_per_worker
 from coordinator.local_cluster import LocalCluster
 from protocol import AsyncClient, RequestError
 from protocol.messages import SeqPlan, Step
+from worker.attention import choose_attention
+from worker.build import resolve_dtype
 from worker.cuda_graphs import DecodeGraphs
-from worker.kv_pool import KVPool
+from worker.kv.device_pool import KVPool
+from worker.kv.park_store import ParkStore
 from worker.loaders import DEFAULT_MODEL, resolve
 from worker.model import StageModel
-from worker.park_store import ParkStore
-from worker.process import resolve_dtype
 from worker.runner import ModelRunner
 
 from .decode import LOWEST_PROMPT_ID, dtype_name
@@ -466,7 +467,7 @@ def inprocess_decode(stage: StageModel, batch: int, context: int, steps: int, dt
     a = stage.args
     per_seq = -(-(context + INPROCESS_WARMUP + steps) // PAGE_SIZE)
     pool = KVPool(a.n_layers, batch * per_seq, PAGE_SIZE, a.n_kv_heads, a.head_dim, dtype,
-                  device)
+                  device, choose_attention(False, device, a.head_dim))
     graphs = None
     if cuda_graphs and device.type == "cuda":
         try:

@@ -9,8 +9,12 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import asdict, fields
+
+from protocol.messages import DTYPES, KV_MODES, OVERLAP, WorkerConfig
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,7 +26,9 @@ def main(argv: list[str] | None = None) -> None:
     if not getattr(args, "func", None):
         parser.print_help()
         raise SystemExit(2)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
+    if args.debug:
+        args.log_level = "debug"
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         args.func(args)
@@ -40,16 +46,22 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="siding", description="siding: distributed LLM inference")
+    p = argparse.ArgumentParser(prog="siding", description="siding: distributed LLM inference",
+                                formatter_class=HelpFormatter)
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="what the cluster's processes log (info: a line per finished request)")
     # `--debug` after the command works too; SUPPRESS keeps it from undoing one before it.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show tracebacks and debug logs")
+    common.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS,
+                        help="what the cluster's processes log (info: a line per finished "
+                        "request; default: info)")
     sub = p.add_subparsers(metavar="COMMAND")
 
     def command(name: str, **options) -> argparse.ArgumentParser:
-        return sub.add_parser(name, parents=[common], **options)
+        return sub.add_parser(name, parents=[common], formatter_class=HelpFormatter, **options)
 
     launch = command("launch", help="start a coordinator and local workers")
     _cluster_args(launch)
@@ -62,26 +74,27 @@ def build_parser() -> argparse.ArgumentParser:
     command("worker", help="start a worker (see `siding worker --help`)")
 
     gen = command("generate", help="complete a prompt")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the text to complete (with --system: a user message)")
     _endpoint(gen)
     _sampling_args(gen)
-    gen.add_argument("--stream", action="store_true")
+    gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
     gen.add_argument("--json", action="store_true", help="print the whole result as JSON")
     gen.set_defaults(func=cmd_generate)
 
-    chat = command("chat", help="chat interactively, streaming replies")
+    chat = command("chat", help="chat interactively, streaming replies",
+                   description="chat with the model; type /help for the commands")
     _endpoint(chat)
     _sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=cmd_chat)
 
     status = command("status", help="show a running cluster")
     _endpoint(status)
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true", help="print the whole status as JSON")
     status.set_defaults(func=cmd_status)
 
     demo = command("demo", help="launch on the default model, run prompts, stop")
-    demo.add_argument("--model", default="smollm2-135m")
-    demo.add_argument("--workers", type=int, default=2)
+    demo.add_argument("--model", default="smollm2-135m", help="the model to launch")
+    demo.add_argument("--workers", type=int, default=2, help="worker processes (layer split)")
     demo.set_defaults(func=cmd_demo)
 
     bench = command("bench", help="benchmarks; results under bench-results/",
@@ -92,56 +105,97 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
 
     keys = command("keys", help="write CURVE key pairs for non-loopback binds")
-    keys.add_argument("dir")
+    keys.add_argument("dir", help="the directory to write them to")
     keys.set_defaults(func=cmd_keys)
     return p
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, except where there is nothing to say."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if any(action.default is x for x in (None, False, True, argparse.SUPPRESS)) or (
+                "%(default)" in (action.help or "")):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def _endpoint(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--endpoint", default=DEFAULT_ENDPOINT)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a reply")
+    p.add_argument("--endpoint", default=DEFAULT_ENDPOINT,
+                   help="the cluster's client endpoint (what `siding launch` printed as ready)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait for the whole request (a server that sends nothing at "
+                   "all for 3 s is reported gone at once)")
     p.add_argument("--curve-keys", default=None,
                    help="CURVE keys directory, for a cluster started with --curve-keys")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 64) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help="tokens to generate at most (the library's default is 16; a choice also "
+                   "ends at the model's context)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed: the same seed gives the same tokens")
+    p.add_argument("-n", type=int, default=1, help="completions of the prompt")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end a completion at this text (may be given several times)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="go on past the end-of-sequence token, up to --max-tokens")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="a system prompt (generate: the prompt becomes a chat's user message)")
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--model", default="smollm2-135m",
       help="smollm2-135m, a .gguf path, a Hugging Face directory, or synthetic:NAME")
-    a("--workers", type=int, default=1)
+    a("--workers", type=int, default=1, metavar="N",
+      help="worker processes; the model's layers are split evenly between them")
     a("--devices", default="cpu", help="cpu, or cuda:0,cuda:1,... one per worker")
-    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    a("--kv", default="device", choices=["device", "host"])
-    a("--pipeline-depth", type=int, default=1)
-    a("--ring-budget-mib", type=int, default=512)
-    a("--exact", action="store_true")
+    a("--dtype", default="auto", choices=DTYPES,
+      help="weights and KV (auto: float32 on a CPU, bfloat16 on CUDA)")
+    a("--kv", default="device", choices=KV_MODES,
+      help="where the KV pages live: device memory, or host memory streamed through a ring")
+    a("--pipeline-depth", type=int, default=1, metavar="D",
+      help="--kv host: layers the staging ring delivers ahead of the one computing")
+    a("--ring-budget-mib", type=int, default=512, metavar="MIB",
+      help="--kv host: device memory the staging ring may take (0: no cap)")
+    a("--exact", action="store_true",
+      help="batch-invariant kernels: a sequence's tokens are byte-identical however it is "
+      "batched, preempted or split")
     a("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
       help="run CUDA decode steps eagerly instead of replaying captured graphs")
-    a("--page-size", type=int, default=16)
-    a("--kv-pages", type=int, default=1024)
-    a("--park-pages", type=int, default=None,
+    a("--overlap", default="auto", choices=OVERLAP,
+      help="enqueue each decode step on the last one's tokens before they are read (auto: on "
+      "for CUDA devices, where it pays; off on a CPU)")
+    a("--transport-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
+    a("--page-size", type=int, default=16, metavar="TOKENS", help="tokens per KV page")
+    a("--kv-pages", type=int, default=1024, metavar="N",
+      help="KV pages in each worker's pool (its memory: pages x page size x layers x KV heads "
+      "x head size x 2 x dtype bytes)")
+    a("--park-pages", type=int, default=None, metavar="N",
       help="host park store slots per worker (default: as many as --kv-pages)")
-    a("--max-batch-seqs", type=int, default=64)
-    a("--max-batch-tokens", type=int, default=512)
-    a("--preempt-every", type=int, default=0)
+    a("--max-batch-seqs", type=int, default=64, metavar="N", help="sequences in one step")
+    a("--max-batch-tokens", type=int, default=512, metavar="N",
+      help="rows in one step (prompt chunks and decodes together)")
+    a("--no-prefix-cache", dest="prefix_cache", action="store_false",
+      help="compute every prompt in full, instead of reusing the KV pages of a prefix already "
+      "computed (cached pages are reused last, and reclaimed before anyone is preempted)")
+    a("--preempt-every", type=int, default=0, metavar="K",
+      help="testing: park every sequence every K decode steps (0: never)")
     a("--max-queued-per-client", type=int, default=1024,
       help="requests one client may have queued (not yet running); past it, `overloaded`. "
       "The queue is fair between clients (a client: a connection, or the request's `user`)")
     a("--prefill-hold-ms", type=int, default=0,
       help="while sequences decode, new prompts wait up to this long (or until they fill half "
       "a step's rows) and prefill together, so most steps decode only: throughput for TTFT")
-    a("--listen", default=DEFAULT_ENDPOINT,
+    a("--listen", default=DEFAULT_ENDPOINT, metavar="ENDPOINT",
       help="client endpoint; with --frontends N, up to N comma-separated (frontends past them "
       "take ports of the system's choosing on the first one's host)")
-    a("--frontends", type=int, default=1,
+    a("--frontends", type=int, default=1, metavar="N",
       help="frontend processes (client sockets, tokenization, text, streaming); `ready` lists "
       "their endpoints, comma-separated, and clients given that list spread over them")
     a("--http", default=None, metavar="HOST:PORT",
@@ -151,35 +205,37 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
       help="bearer token the HTTP API asks for (needed for a non-loopback --http)")
     a("--api-key-file", default=None, metavar="PATH",
       help="read the API key from PATH (keeps it off the command line)")
-    a("--worker-listen", default="tcp://127.0.0.1:5556")
+    a("--worker-listen", default="tcp://127.0.0.1:5556", metavar="ENDPOINT",
+      help="where workers register (remote workers: `siding worker --coordinator` this)")
     a("--worker-wait", type=float, default=60.0, metavar="S",
       help="while the workers are down (restarting, backing off), requests wait up to S "
       "seconds for them, then fail with worker_failed")
-    a("--metrics-port", type=int, default=9400,
+    a("--metrics-port", type=int, default=9400, metavar="P",
       help="coordinator metrics port P (worker i: P+1+i); 0 turns the metrics endpoints off")
     a("--write-prometheus-config", metavar="PATH", default=None,
       help="write a Prometheus scrape config for this cluster's metrics ports to PATH")
-    a("--curve-keys", default=None, help="directory of CURVE keys (see `siding keys`)")
+    a("--curve-keys", default=None, metavar="DIR",
+      help="directory of CURVE keys (see `siding keys`)")
     a("--insecure", action="store_true", help="allow non-loopback binds without CURVE")
-    a("--worker-threads", type=int, default=0)
+    a("--worker-threads", type=int, default=0, metavar="N",
+      help="torch CPU threads per local worker (0: the cores this process may use, shared out)")
 
 
 def config_from_args(args: argparse.Namespace):
     from .config import CoordinatorConfig
 
+    worker = WorkerConfig(**{f.name: getattr(args, f.name) for f in fields(WorkerConfig)})
     return CoordinatorConfig(
-        model=args.model, workers=args.workers, devices=args.devices.split(","),
-        dtype=args.dtype, kv=args.kv, pipeline_depth=args.pipeline_depth,
-        ring_budget_mib=args.ring_budget_mib, exact=args.exact, cuda_graphs=args.cuda_graphs,
-        page_size=args.page_size,
-        kv_pages=args.kv_pages, park_pages=args.park_pages, max_batch_seqs=args.max_batch_seqs,
-        max_batch_tokens=args.max_batch_tokens, preempt_every=args.preempt_every,
+        worker=worker, workers=args.workers, devices=args.devices.split(","),
+        prefix_cache=args.prefix_cache, max_batch_tokens=args.max_batch_tokens,
+        preempt_every=args.preempt_every,
         prefill_hold_ms=args.prefill_hold_ms, max_queued_per_client=args.max_queued_per_client,
         worker_wait=args.worker_wait,
         listen=args.listen, frontends=args.frontends, http=args.http, api_key=_api_key(args),
         worker_listen=args.worker_listen,
         metrics_port=args.metrics_port or None, curve_keys=args.curve_keys,
         insecure=args.insecure, spawn_workers=args.spawn, worker_threads=args.worker_threads,
+        log_level=args.log_level,
     )
 
 
@@ -199,9 +255,21 @@ def cmd_launch(args: argparse.Namespace) -> None:
     config = config_from_args(args)
     if args.write_prometheus_config and not config.metrics_port:
         raise ValueError("--write-prometheus-config needs the metrics on (--metrics-port P)")
-    stop = threading.Event()
+    stop, now, serving = threading.Event(), threading.Event(), threading.Event()
+
+    def on_signal(*_) -> None:
+        if not serving.is_set():  # loading: nothing to drain
+            raise KeyboardInterrupt
+        if stop.is_set():
+            now.set()
+            print("siding: stopping now", file=sys.stderr, flush=True)
+            return
+        stop.set()
+        print("siding: draining the running requests (Ctrl-C again to stop now)",
+              file=sys.stderr, flush=True)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     engine = EngineCore(config)
     try:
         if config.metrics_port:
@@ -214,7 +282,7 @@ def cmd_launch(args: argparse.Namespace) -> None:
         if args.write_prometheus_config and config.spawn_workers:
             _write_prometheus_config(args.write_prometheus_config, config, None)
         where = "local" if config.spawn_workers else "remote"
-        print(f"siding: loading {config.model} on {config.workers} {where} worker(s)...",
+        print(f"siding: loading {config.worker.model} on {config.workers} {where} worker(s)...",
               file=sys.stderr, flush=True)
         engine.start()
         if args.write_prometheus_config and not config.spawn_workers:  # now their hosts are known
@@ -223,7 +291,8 @@ def cmd_launch(args: argparse.Namespace) -> None:
         if engine.frontends.http_url:
             print(f"http {engine.frontends.http_url}", flush=True)
         print(f"ready {engine.endpoint}", flush=True)
-        engine.serve(should_stop=stop.is_set)
+        serving.set()
+        engine.serve(should_stop=stop.is_set, hurry=now.is_set)
     finally:
         engine.close()
 
@@ -259,26 +328,47 @@ def _client(args: argparse.Namespace):
 
 def _sampling(args: argparse.Namespace) -> dict:
     return {"max_tokens": args.max_tokens, "temperature": args.temperature,
-            "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
+            "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "n": args.n,
+            "stop": args.stop, "ignore_eos": args.ignore_eos}
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    if args.stream and args.n > 1:
+        raise ValueError("--stream prints one completion; give -n without --stream")
+    prompt = {"prompt": args.prompt}
+    if args.system is not None:
+        prompt = {"messages": [{"role": "system", "content": args.system},
+                               {"role": "user", "content": args.prompt}]}
     with _client(args) as c:
         if args.stream:
-            for chunk in c.stream(args.prompt, **_sampling(args)):
+            for chunk in c.stream(**prompt, **_sampling(args)):
                 print(chunk.text, end="", flush=True)
             print()
             return
-        r = c.generate(args.prompt, **_sampling(args))
+        r = c.generate(**prompt, **_sampling(args))
     if args.json:
         print(json.dumps({"request_id": r.request_id, "text": r.text, "token_ids": r.token_ids,
                           "finish_reason": r.finish_reason, "usage": r.usage,
-                          "prompt_token_ids": r.prompt_token_ids}))
-    else:
+                          "prompt_token_ids": r.prompt_token_ids,
+                          "choices": [asdict(choice) for choice in r.choices]}))
+    elif args.n == 1:
         print(r.text)
+    else:
+        for choice in r.choices:
+            print(f"[{choice.index}] {choice.text}")
+
+
+CHAT_HELP = """commands:
+  /help           this list
+  /reset          forget the conversation (the system prompt stays)
+  /system [TEXT]  set the system prompt (none: clear it), and start over
+  /exit           leave (Ctrl-D too)"""
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
+    if args.n > 1:
+        raise ValueError("chat streams one reply; -n must be 1")
+    system = args.system
     messages: list[dict] = []
     with _client(args) as c:
         while True:
@@ -289,9 +379,27 @@ def cmd_chat(args: argparse.Namespace) -> None:
                 return
             if not line.strip():
                 continue
+            command, _, rest = line.strip().partition(" ")
+            if command in ("/exit", "/quit"):
+                return
+            if command == "/help":
+                print(CHAT_HELP)
+                continue
+            if command == "/reset":
+                messages = []
+                print("(the conversation starts over)")
+                continue
+            if command == "/system":
+                system, messages = rest.strip() or None, []
+                print("(system prompt " + ("set" if system else "cleared") + "; starting over)")
+                continue
+            if command.startswith("/"):
+                print(f"unknown command {command}; /help lists them")
+                continue
             messages.append({"role": "user", "content": line})
+            head = [{"role": "system", "content": system}] if system else []
             reply = []
-            for chunk in c.chat_stream(messages, **_sampling(args)):
+            for chunk in c.chat_stream(head + messages, **_sampling(args)):
                 print(chunk.text, end="", flush=True)
                 reply.append(chunk.text)
             print()
@@ -310,6 +418,7 @@ def cmd_status(args: argparse.Namespace) -> None:
 def status_table(s: dict) -> str:
     """`siding status` for people: the figures the Prometheus metrics carry."""
     pool, reqs, lat = s["pool"], s["requests"], s["latency_mean_seconds"]
+    cache = s["prefix_cache"]
 
     def counts(d: dict) -> str:
         return "   ".join(f"{k} {v}" for k, v in d.items() if v) or "none"
@@ -325,6 +434,9 @@ def status_table(s: dict) -> str:
         f"(page size {pool['page_size']})   park store {s['park_pages_used']} pages used",
         f"tokens     prompt {s['tokens']['prompt']}   generated {s['tokens']['generated']}",
         f"preempted  {counts(s['preemptions'])}   restored {s['restores']}",
+        f"prefix     {cache['hit_tokens']} of {cache['queried_tokens']} prompt tokens cached   "
+        f"{cache['cached_pages']} pages idle   evictions {cache['evictions']}"
+        if s["config"]["prefix_cache"] else "prefix     cache off",
         "latency    " + "   ".join(f"{k} {_seconds(v)}" for k, v in lat.items()) + "   (means)",
         "",
         f"{'rank':>4}  {'device':<8} {'layers':<10} {'pid':>8}  {'host':<16} {'state':<6} forward",

@@ -1,9 +1,12 @@
-"""CoordinatorConfig: every knob of a cluster, validated once at start-up."""
+"""CoordinatorConfig: every knob of a cluster, validated once at start-up. What the workers are
+built from is one `WorkerConfig` in it, sent to them whole."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+
+from protocol.messages import WorkerConfig
 
 
 def threads_per_worker(workers: int) -> int:
@@ -16,20 +19,11 @@ def threads_per_worker(workers: int) -> int:
 
 @dataclass
 class CoordinatorConfig:
-    model: str = "smollm2-135m"
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
     workers: int = 1
     devices: list[str] = field(default_factory=lambda: ["cpu"])
-    dtype: str = "auto"
-    kv: str = "device"
-    pipeline_depth: int = 1
-    ring_budget_mib: int = 512
-    exact: bool = False
-    cuda_graphs: bool = True  # decode steps on CUDA replayed from graphs (worker/cuda_graphs.py)
-    page_size: int = 16
-    kv_pages: int = 1024
-    park_pages: int | None = None  # host park store slots; default: as many as --kv-pages
-    max_batch_seqs: int = 64
     max_batch_tokens: int = 512
+    prefix_cache: bool = True  # full pages of computed prompts reused by content
     preempt_every: int = 0
     prefill_hold_ms: int = 0  # new prompts may wait this long while others decode (0: never)
     listen: str = "tcp://127.0.0.1:5555"  # client endpoints: one, or one per frontend (a,b,...)
@@ -49,10 +43,9 @@ class CoordinatorConfig:
     max_waiting: int = 4096  # queued requests before new ones get `overloaded`
     max_queued_per_client: int = 1024  # one client's queued requests before its next is refused
     frontend_timeout: float = 10.0  # a frontend silent this long is restarted
+    log_level: str = "info"  # of every process of the cluster
 
     def __post_init__(self) -> None:
-        if self.park_pages is None:
-            self.park_pages = self.kv_pages
         if len(self.devices) == 1 and self.workers > 1:
             self.devices = self.devices * self.workers
         self.validate()
@@ -67,15 +60,7 @@ class CoordinatorConfig:
              f"--devices names {len(self.devices)} devices for {self.workers} workers")
         for d in self.devices:
             need(d == "cpu" or d.startswith("cuda"), f"unknown device {d!r}: use cpu or cuda:N")
-        need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
-             f"unknown --dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
-        need(self.kv in ("device", "host"), f"--kv must be device or host, not {self.kv!r}")
-        need(self.pipeline_depth >= 0, "--pipeline-depth must be >= 0")
-        need(self.ring_budget_mib >= 0, "--ring-budget-mib must be >= 0")
-        need(1 <= self.page_size <= 4096, "--page-size must be in [1, 4096]")
-        need(self.kv_pages >= 1, "--kv-pages must be at least 1")
-        need(self.park_pages >= 0, "--park-pages must be >= 0")
-        need(self.max_batch_seqs >= 1, "--max-batch-seqs must be at least 1")
+        self.worker.validate()
         need(self.max_batch_tokens >= 1, "--max-batch-tokens must be at least 1")
         need(self.preempt_every >= 0, "--preempt-every must be >= 0")
         need(0 <= self.prefill_hold_ms <= 10_000, "--prefill-hold-ms must be in [0, 10000]")

@@ -40,6 +40,7 @@ from .frontends import FrontendGroup
 from .metrics import CoordinatorMetrics
 from .page_allocator import PageAllocator
 from .plan import step_plan
+from .prefix_cache import PrefixCache
 from .requests import Requests
 from .scheduler import Schedule, Scheduler
 from .status import cluster_status
@@ -82,10 +83,15 @@ class EngineCore:
         self.worker_sock.bind(config.worker_listen)
         self.workers = WorkerGroup(self.worker_sock, config, link_keys)
         self.frontends = FrontendGroup(self.ctx, config)
-        self.scheduler = Scheduler(PageAllocator(config.kv_pages),
-                                   PageAllocator(config.park_pages), config.page_size,
-                                   config.max_batch_seqs, config.max_batch_tokens,
-                                   config.preempt_every, config.prefill_hold_ms / 1000)
+        w = config.worker
+        pool = PageAllocator(w.kv_pages)
+        cache = None
+        if config.prefix_cache:  # keyed by all that changes a page's bits besides its tokens
+            cache = PrefixCache(pool, w.page_size, f"{w.model}|{w.dtype}|exact={w.exact}")
+            self.metrics.watch_prefix_cache(cache)
+        self.scheduler = Scheduler(pool, PageAllocator(w.park_pages), w.page_size,
+                                   w.max_batch_seqs, config.max_batch_tokens,
+                                   config.preempt_every, config.prefill_hold_ms / 1000, cache)
         self.requests = Requests(self.scheduler, self.frontends, self.metrics,
                                  config.max_waiting, config.max_queued_per_client)
         self.inflight: dict[int, InFlight] = {}
@@ -96,7 +102,7 @@ class EngineCore:
         self.outage_since: float | None = None  # when the workers went down, while they are
         self.retry_at: float | None = None  # when halted workers are started again
         self.model = None
-        self.metrics.kv_pages_total.set(config.kv_pages)
+        self.metrics.kv_pages_total.set(config.worker.kv_pages)
 
     @property
     def endpoint(self) -> str:
@@ -121,8 +127,9 @@ class EngineCore:
     def _on_workers_ready(self) -> None:
         self.model = self.workers.model
         self.scheduler.set_model(frozenset(self.model.eos_ids), self.model.max_context)
-        self.frontends.serve(Serve(model=self.model, kv_pages=self.config.kv_pages,
-                                   page_size=self.config.page_size, exact=self.config.exact))
+        w = self.config.worker
+        self.frontends.serve(Serve(model=self.model, kv_pages=w.kv_pages, page_size=w.page_size,
+                                   exact=w.exact))
         self.metrics.workers_up.set(self.workers.n_up)
         self.outage_since = None
         log.info("%d workers ready", self.workers.n_up)
@@ -136,8 +143,10 @@ class EngineCore:
         if self.keys_dir is not None:
             shutil.rmtree(self.keys_dir, ignore_errors=True)
 
-    def serve(self, should_stop=lambda: False, drain_seconds: float = 30.0) -> None:
-        """Serve until should_stop() turns true, then drain for up to drain_seconds.
+    def serve(self, should_stop=lambda: False, drain_seconds: float = 30.0,
+              hurry=lambda: False) -> None:
+        """Serve until should_stop() turns true, then drain for up to drain_seconds, or until
+        hurry() turns true; the requests still running then are aborted.
 
         While no step is in flight the loop does not wake for the workers (only heartbeats can
         come); supervision reads their socket twice a second."""
@@ -150,7 +159,8 @@ class EngineCore:
                 self.draining = True
                 drain_deadline = time.monotonic() + drain_seconds
                 log.info("draining %d requests", len(self.requests))
-            if self.draining and (not self.requests or time.monotonic() > drain_deadline):
+            if self.draining and (not self.requests or time.monotonic() > drain_deadline
+                                  or hurry()):
                 self.requests.fail_all(ErrorCode.ABORTED, "the server is shutting down")
                 return
             idle_device = self.scheduler.has_work and not self.inflight

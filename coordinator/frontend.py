@@ -158,7 +158,7 @@ class Frontend:
             self.prompts.close()
         if self.auth is not None:
             self.auth.stop()
-        self.ctx.destroy(linger=0)
+        self.ctx.destroy(linger=500)  # what is queued for clients (errors at a stop) goes out
 
     def _check_parent(self) -> None:
         if self.parent is not None and os.getppid() != self.parent:
@@ -234,6 +234,8 @@ class Frontend:
         if out.done:
             self._forget(out)
             self._send(out.client, out.result())
+            if log.isEnabledFor(logging.INFO):
+                log.info("%s", out.log_line(time.monotonic()))
 
     def _forget(self, out: RequestOutput) -> None:
         self.requests.pop(out.key, None)
@@ -284,6 +286,11 @@ class Frontend:
                 self._send(identity, Error(code=ErrorCode.ABORTED.value,
                                            message="aborted by the client",
                                            request_id=msg.request_id))
+            else:
+                self._send(identity, Error(
+                    code=ErrorCode.INVALID_REQUEST.value, request_id=msg.request_id,
+                    message=f"no running request {msg.request_id!r} of this client to abort: "
+                    "it has ended, or it is another client's (a client aborts only its own)"))
         elif isinstance(msg, Status):
             self.status_waiting.append(identity)
             self._to_core(Status())
@@ -319,7 +326,7 @@ class Frontend:
         key = self.next_key
         self.next_key += 1
         out = RequestOutput(key, identity, msg, prompt, self.codec)
-        out.last_sent = arrival
+        out.last_sent = out.arrival = arrival
         self.requests[key] = out
         self.by_client[(identity, msg.request_id)] = key
         self._to_core(Submit(
@@ -366,9 +373,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--http-fd", type=int, default=None, metavar="FD",
                    help="serve the OpenAI API on this inherited listening socket (its key, if "
                    "any, in SIDING_API_KEY)")
-    p.add_argument("--debug", action="store_true")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO, stream=sys.stderr,
+    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s frontend {a.index} %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the core drains on Ctrl-C, then stops us
     http = None

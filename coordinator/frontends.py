@@ -84,7 +84,8 @@ class FrontendGroup:
     def _spawn(self, h: FrontendHandle) -> None:
         c = self.config
         cmd = [sys.executable, "-m", "coordinator.frontend", "--core", self.endpoint,
-               "--index", str(h.index), "--listen", h.listen, "--exit-with-parent"]
+               "--index", str(h.index), "--listen", h.listen, "--exit-with-parent",
+               "--log-level", c.log_level]
         if c.curve_keys:
             cmd += ["--curve-keys", c.curve_keys]
         if c.insecure:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from protocol.errors import ErrorCode
 
@@ -63,6 +64,10 @@ class CoordinatorMetrics:
         for socket in ("client", "frontend", "worker"):
             self.dropped_messages.labels(socket=socket)
 
+    def watch_prefix_cache(self, cache) -> None:
+        """Export the prefix cache's figures, read from it at each scrape."""
+        self.registry.register(PrefixCacheCollector(cache))
+
     def set_gauges(self, scheduler, workers_up: int) -> None:
         s = scheduler
         self.requests_running.set(len(s.running))
@@ -104,6 +109,12 @@ class CoordinatorMetrics:
             "dropped": {k: int(v) for k, v in
                         self.by_label("siding_dropped_messages", "socket").items()},
             "park_pages_used": int(self.value("siding_park_pages_used")),
+            "prefix_cache": {
+                "queried_tokens": int(self.value("siding_prefix_cache_queries_total")),
+                "hit_tokens": int(self.value("siding_prefix_cache_hits_total")),
+                "cached_pages": int(self.value("siding_prefix_cache_pages")),
+                "evictions": int(self.value("siding_prefix_cache_evictions_total")),
+            },
             "latency_mean_seconds": {
                 "queue": self.mean("siding_request_queue_seconds"),
                 "ttft": self.mean("siding_time_to_first_token_seconds"),
@@ -112,3 +123,23 @@ class CoordinatorMetrics:
                 "step": self.mean("siding_step_seconds"),
             },
         }
+
+
+class PrefixCacheCollector:
+    """The prefix cache's counters and gauge, as the cache (and its allocator) count them."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def collect(self):
+        c = self.cache
+        for name, doc, value in [
+            ("siding_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+             c.queried),
+            ("siding_prefix_cache_hits", "Prompt tokens found in the prefix cache", c.hit),
+            ("siding_prefix_cache_evictions", "Cached pages reused for other KV",
+             c.allocator.evictions),
+        ]:
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("siding_prefix_cache_pages", "Cached pages no sequence holds",
+                                value=c.idle_pages)

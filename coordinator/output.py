@@ -4,6 +4,7 @@ sockets, no scheduling."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from protocol.messages import Choice, Generate, Result, Usage
@@ -38,6 +39,8 @@ class RequestOutput:
                                    ChunkFrames(msg.request_id, i)) for i in range(msg.n)]
         self.hold = max((len(s) for s in msg.stop), default=1) - 1
         self.last_sent = 0.0  # when the client last heard of it (keepalives)
+        self.arrival = 0.0  # time.monotonic() when it reached the frontend
+        self.first_token_at: float | None = None
         self.keepalive = self.choices[0].frames.encode([])  # an empty chunk
 
     @property
@@ -50,6 +53,8 @@ class RequestOutput:
         c = self.choices[index]
         if c.finish_reason is not None:
             return False  # computed before the core heard of the stop string
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
         c.token_ids.append(token)
         if stop_token or not (piece := c.detok.push(token)):
             return False
@@ -80,6 +85,15 @@ class RequestOutput:
             out.append(c.frames.encode(new_tokens, c.text[c.sent_text:upto], c.finish_reason))
             c.sent_tokens, c.sent_text, c.final_sent = len(c.token_ids), upto, done
         return out
+
+    def log_line(self, now: float) -> str:
+        """The request log's line for it, once done."""
+        ttft = "-" if self.first_token_at is None else f"{self.first_token_at - self.arrival:.3f}s"
+        c = self.choices
+        return (f"request {self.msg.request_id}: {len(self.prompt_ids)} prompt + "
+                f"{sum(len(x.token_ids) for x in c)} output tokens, ttft {ttft}, "
+                f"{now - self.arrival:.3f}s, {','.join(x.finish_reason or '-' for x in c)}, "
+                f"{sum(x.preemptions for x in c)} preemptions")
 
     def result(self) -> Result:
         return Result(

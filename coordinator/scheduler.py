@@ -33,6 +33,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .page_allocator import PageAllocator, pages_for
+from .prefix_cache import PrefixCache
 from .sequence import Request, Sequence
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i of a request draws from seed + i * SEED_STRIDE
@@ -74,7 +75,7 @@ class StepOutput:
 class Scheduler:
     def __init__(self, allocator: PageAllocator, park_slots: PageAllocator, page_size: int,
                  max_batch_seqs: int, max_batch_tokens: int, preempt_every: int = 0,
-                 prefill_hold: float = 0.0):
+                 prefill_hold: float = 0.0, prefix_cache: PrefixCache | None = None):
         self.allocator = allocator
         self.park_slots = park_slots
         self.page_size = page_size
@@ -82,6 +83,7 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.preempt_every = preempt_every  # test knob: park everyone every K decode steps
         self.prefill_hold = prefill_hold  # seconds new prompts may wait while others decode
+        self.cache = prefix_cache  # None: every prompt is computed in full
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.parked: deque[Sequence] = deque()  # oldest parked first
@@ -208,6 +210,8 @@ class Scheduler:
             if seq.finish_reason is not None:
                 continue
             seq.n_computed += n
+            if self.cache is not None:
+                self.cache.add(seq)
             if seq.fork_at == seq.n_computed:
                 self.fork(seq)
             token = sampled.get(seq.id)
@@ -268,6 +272,8 @@ class Scheduler:
             self.recompute(seq)
         self.to_free = []  # the new workers start with empty page tables
         self.steps_in_flight = 0
+        if self.cache is not None:  # and without any KV
+            self.cache.clear()
         return len(every)
 
     def schedule(self) -> Schedule:
@@ -315,8 +321,11 @@ class Scheduler:
             return out  # a decode-only step
         while self.waiting and len(out.batch) < self.max_batch_seqs and budget > 0:
             seq = self.waiting[0]
+            cached = self._take_cached(seq)
             n = self.rows(seq, budget)
             if not self._reserve(seq, n):
+                if cached:
+                    self.cache.give_back(seq)
                 break
             self.waiting.popleft()
             self.admitted_tag = max(self.admitted_tag, seq.tag)
@@ -324,6 +333,15 @@ class Scheduler:
             out.batch.append((seq, n))
             budget -= n
         return out
+
+    def _take_cached(self, seq: Sequence) -> bool:
+        """A sequence about to start from nothing takes the cached pages its tokens begin with;
+        it still computes at least one row (its last prompt token, or the one before a fork)."""
+        if self.cache is None or seq.pages or seq.n_computed:
+            return False
+        end = seq.fork_at if seq.fork_at is not None else len(seq.token_ids)
+        self.cache.take(seq, end - 1)
+        return bool(seq.pages)
 
     def _clients_running(self) -> Counter[str]:
         return Counter(s.request.client for s in self.running)
@@ -377,6 +395,7 @@ class Scheduler:
         for child in parent.children:
             child.n_computed = parent.fork_at
             child.pages = parent.pages[:shared]
+            child.page_keys = parent.page_keys[:shared]
             self.allocator.share(child.pages)
             if shared < len(parent.pages):
                 if not self.allocator.can_allocate(1):
@@ -437,7 +456,7 @@ class Scheduler:
     def _drop_to_recompute(self, seq: Sequence) -> None:
         self.allocator.free(seq.pages)
         self.park_slots.free(seq.park_slots)
-        seq.pages, seq.park_slots = [], []
+        seq.pages, seq.park_slots, seq.page_keys = [], [], []
         seq.n_computed = 0
         seq.pages_sent = 0
         seq.announced = False

@@ -41,6 +41,7 @@ class Sequence:
     n_prompt: int = 0
     n_computed: int = 0  # positions whose K/V the workers hold
     pages: list[int] = field(default_factory=list)
+    page_keys: list[bytes] = field(default_factory=list)  # the prefix cache's keys of full pages
     park_slots: list[int] = field(default_factory=list)  # where its pages wait while parked
     fork_at: int | None = None  # n > 1: stop the prompt here and hand its pages to `children`
     children: list[Sequence] = field(default_factory=list)

@@ -20,19 +20,19 @@ def cluster_status(config: CoordinatorConfig, model: ModelInfo | None, scheduler
     s = scheduler
     total, steps = forward_seconds
     described = workers.describe()
-    for w in described:  # only the last stage reports its forward time to the coordinator
-        last = w["rank"] == len(described) - 1
-        w["forward_seconds_mean"] = total / steps if last and steps else None
+    for w in described:  # the last stage's forward time comes with its results, up to date
+        if w["rank"] == len(described) - 1 and steps:
+            w["forward_seconds_mean"] = total / steps
     return {
         "model": model.name if model else None,
-        "exact": config.exact,
+        "exact": config.worker.exact,
         "workers": described,
         "workers_up": workers.n_up,
         "failed": failed,  # why the cluster cannot serve, if it cannot
         "draining": draining,
         "frontends": frontends.describe(),
         **metrics.figures(),
-        "pool": {"page_size": config.page_size, "pages_total": config.kv_pages,
+        "pool": {"page_size": config.worker.page_size, "pages_total": config.worker.kv_pages,
                  "pages_used": s.allocator.n_used, "pages_free": s.allocator.n_free},
         "park": {"slots_total": s.park_slots.n_pages, "slots_used": s.park_slots.n_used},
         "requests": {"running": len(s.running), "waiting": len(s.waiting),

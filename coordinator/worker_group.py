@@ -37,6 +37,7 @@ class WorkerHandle:
     alive: bool = True
     kv_bytes_per_page: int = 0
     last_seen: float = 0.0
+    forward: tuple[float, int] = (0.0, 0)  # its forward passes as its heartbeats say: time, steps
 
 
 class WorkerGroup:
@@ -61,7 +62,8 @@ class WorkerGroup:
         threads = c.worker_threads or threads_per_worker(c.workers)
         for rank, device in enumerate(c.devices):
             cmd = [sys.executable, "-m", "worker", "--coordinator", endpoint, "--rank", str(rank),
-                   "--device", device, "--threads", str(threads), "--exit-with-parent"]
+                   "--device", device, "--threads", str(threads), "--exit-with-parent",
+                   "--log-level", c.log_level]
             if self.link_keys:
                 cmd += ["--curve-keys", self.link_keys]
             self.processes.append(subprocess.Popen(cmd))
@@ -156,11 +158,7 @@ class WorkerGroup:
         for h in self.handles:
             nxt = self.handles[h.rank + 1].reg.data_endpoint if h.rank + 1 < c.workers else None
             self.sock.send_multipart([h.identity, *encode(Assign(
-                rank=h.rank, n_workers=c.workers, model=c.model, dtype=c.dtype,
-                page_size=c.page_size, kv_pages=c.kv_pages, park_pages=c.park_pages,
-                kv_mode=c.kv, pipeline_depth=c.pipeline_depth, ring_budget_mib=c.ring_budget_mib,
-                exact=c.exact, cuda_graphs=c.cuda_graphs, max_batch_seqs=c.max_batch_seqs,
-                next_endpoint=nxt,
+                rank=h.rank, n_workers=c.workers, config=c.worker, next_endpoint=nxt,
                 metrics_port=None if c.metrics_port is None else c.metrics_port + 1 + h.rank,
             ))])
             log.info("worker %d: %s pid %d on %s", h.rank, h.reg.device, h.reg.pid,
@@ -204,6 +202,8 @@ class WorkerGroup:
             h = self._by_identity(identity)
         if h is not None:
             h.last_seen = time.monotonic()
+            if isinstance(msg, Heartbeat) and msg.steps:
+                h.forward = (msg.forward_seconds, msg.steps)
         return h
 
     def dead(self) -> list[WorkerHandle]:
@@ -231,6 +231,7 @@ class WorkerGroup:
     def describe(self) -> list[dict]:
         return [{"rank": h.rank, "device": h.reg.device, "pid": h.reg.pid,
                  "host": h.reg.hostname, "layers": list(h.layers), "alive": h.alive,
-                 "data_endpoint": h.reg.data_endpoint}
+                 "data_endpoint": h.reg.data_endpoint,
+                 "forward_seconds_mean": h.forward[0] / h.forward[1] if h.forward[1] else None}
                 for h in self.handles]
 

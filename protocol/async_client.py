@@ -20,7 +20,7 @@ from .client import (
     build_generate,
     completion,
 )
-from .errors import ErrorCode, ProtocolError
+from .errors import ErrorCode, ProtocolError, RequestError
 from .messages import Abort, Chunk, Generate, Result, Status
 from .wire import decode, encode
 
@@ -80,7 +80,16 @@ class AsyncClient(ClientBase):
         return self.stream(messages=messages, **options)
 
     async def abort(self, request_id: str) -> None:
-        await self._send(Abort(request_id))
+        """As `Client.abort`."""
+        if self._replies.waiting(request_id):
+            await self._send(Abort(request_id))
+            return
+        try:
+            async with self._request(Abort(request_id)):
+                await self._next(request_id)
+        except RequestError as e:
+            if e.code != ErrorCode.ABORTED.value:
+                raise
 
     async def status(self) -> dict:
         async with self._status_lock, self._request(Status()):

@@ -148,6 +148,9 @@ class Replies:
     def queue(self, key: str | None) -> Any:
         return self._queues[key]
 
+    def waiting(self, key: str | None) -> bool:
+        return key in self._queues
+
     def close(self, key: str | None) -> bool:
         """Forget `key`; True if the server may still be working on it."""
         return self._queues.pop(key, None) is not None
@@ -222,10 +225,16 @@ class ClientBase:
 
     def _no_reply(self, key: str | None) -> RequestError:
         return RequestError(
-            ErrorCode.INTERNAL, f"no reply from {self.endpoint} within {self.timeout:g}s", key
+            ErrorCode.TIMEOUT, f"no reply from {self.endpoint} within {self.timeout:g}s (the "
+            "client's timeout; the request was aborted)", key
         )
 
     def _silent(self, key: str | None) -> RequestError:
+        if not self._last_heard:
+            return RequestError(
+                ErrorCode.UNAVAILABLE, f"no server answers at {self.endpoint} (nothing heard for "
+                f"{self.silence_timeout:g}s): is a cluster running? Start one with "
+                "`siding launch`", key)
         return RequestError(
             ErrorCode.UNAVAILABLE, f"lost the server at {self.endpoint}: nothing heard from it, "
             f"not even a keepalive, for {self.silence_timeout:g}s", key
@@ -258,7 +267,7 @@ class Client(ClientBase):
 
     `timeout` bounds every wait for a request's next piece of output: the Result of `generate`,
     each chunk of `stream` (keepalives do not count). Past it the request is aborted and
-    RequestError(`internal`) raised. A server that sends nothing at all, not even the keepalive
+    RequestError(`timeout`) raised. A server that sends nothing at all, not even the keepalive
     it sends every second, for `silence_timeout` seconds is gone: the wait raises at once.
     `endpoint` may be a comma-separated list (one per frontend); the client takes one of them.
     Options of `generate` and `stream`: see `build_generate`.
@@ -300,7 +309,18 @@ class Client(ClientBase):
         return self.stream(messages=messages, **options)
 
     def abort(self, request_id: str) -> None:
-        self._send(Abort(request_id))
+        """Abort a request: the call waiting on it raises `aborted`. For an id no call of this
+        client waits on, the server's answer is awaited: `invalid_request` if it is not a
+        running request of this client's (a client may abort only its own)."""
+        if self._replies.waiting(request_id):
+            self._send(Abort(request_id))
+            return
+        try:
+            with self._request(Abort(request_id)):
+                self._next(request_id)
+        except RequestError as e:
+            if e.code != ErrorCode.ABORTED.value:
+                raise
 
     def status(self) -> dict:
         with self._request(Status()):

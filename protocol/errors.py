@@ -13,6 +13,7 @@ class ErrorCode(str, Enum):
     ABORTED = "aborted"
     WORKER_FAILED = "worker_failed"
     UNAVAILABLE = "unavailable"  # the server went away: nothing heard from it, not even keepalives
+    TIMEOUT = "timeout"  # the client's own timeout passed first; it aborted the request
     INTERNAL = "internal"
 
 

@@ -188,7 +188,59 @@ class Register:
     pid: int = _field(0, lo=0)
     hostname: str = _field("", max_len=256)
     data_endpoint: str = _field("", max_len=256)  # where this worker's activation PULL listens
-    memory_bytes: int = _field(0, lo=0)  # free memory on its device
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_PAGES = 1 << 24  # KV pages or park slots of one pool
+KV_MODES = ("device", "host")
+OVERLAP = ("auto", "on", "off")
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """What every worker of a cluster is built from, carried whole from the CLI (one flag per
+    field, of the same name: `coordinator/cli.py`) through the coordinator's config and ASSIGN
+    to the worker's composition root (`worker/build.py`). A new worker knob is a field here and
+    its flag there. The coordinator reads the ones it shares (pages, batch rows, exact)."""
+
+    model: str = _field("smollm2-135m", max_len=4096)
+    dtype: str = _field("auto", max_len=32)
+    kv: str = _field("device", max_len=16)  # where the KV pages live: device, or host memory
+    pipeline_depth: int = _field(1, lo=0, hi=64)  # staging ring slots delivered ahead
+    ring_budget_mib: int = _field(512, lo=0, hi=1 << 31)  # the ring's device memory (0: no cap)
+    exact: bool = _field(False)
+    cuda_graphs: bool = _field(True)  # CUDA decode steps replayed from graphs
+    overlap: str = _field("auto", max_len=8)  # steps enqueued ahead (auto: on for CUDA)
+    page_size: int = _field(16, lo=1, hi=4096)
+    kv_pages: int = _field(1024, lo=1, hi=1 << 31)
+    park_pages: int | None = _field(None, lo=0, hi=1 << 31)  # park store slots (None: kv_pages)
+    max_batch_seqs: int = _field(64, lo=1, hi=1 << 20)  # decode graphs are captured up to it
+    transport_delay_ms: float = _field(0.0, lo=0.0, hi=10_000.0)  # tests: every copy delayed
+
+    def __post_init__(self) -> None:
+        if self.park_pages is None:
+            self.park_pages = self.kv_pages
+
+    def validate(self) -> None:
+        """ValueError naming the flag of the first knob that is out of its domain."""
+        for flag, value, domain in [("--dtype", self.dtype, DTYPES), ("--kv", self.kv, KV_MODES),
+                                    ("--overlap", self.overlap, OVERLAP)]:
+            if value not in domain:
+                raise ValueError(f"{flag} must be one of {', '.join(domain)}, not {value!r}")
+        for flag, value, lo in [("--pipeline-depth", self.pipeline_depth, 0),
+                                ("--ring-budget-mib", self.ring_budget_mib, 0),
+                                ("--page-size", self.page_size, 1),
+                                ("--kv-pages", self.kv_pages, 1),
+                                ("--park-pages", self.park_pages, 0),
+                                ("--max-batch-seqs", self.max_batch_seqs, 1)]:
+            if value < lo:
+                raise ValueError(f"{flag} must be at least {lo}, not {value}")
+        if self.page_size > 4096:
+            raise ValueError(f"--page-size must be at most 4096, not {self.page_size}")
+        for flag, value in [("--kv-pages", self.kv_pages), ("--park-pages", self.park_pages)]:
+            if value > MAX_PAGES:
+                raise ValueError(f"{flag} must be at most {MAX_PAGES} (the coordinator keeps "
+                                 f"about 50 bytes of bookkeeping a page), not {value}")
 
 
 @dataclass(slots=True)
@@ -196,17 +248,7 @@ class Assign:
     TYPE: ClassVar[MsgType] = MsgType.ASSIGN
     rank: int = _field(lo=0, hi=4095)
     n_workers: int = _field(lo=1, hi=4096)
-    model: str = _field(max_len=4096)
-    dtype: str = _field(max_len=32)
-    page_size: int = _field(lo=1, hi=1 << 16)
-    kv_pages: int = _field(lo=1, hi=1 << 31)
-    park_pages: int = _field(0, lo=0, hi=1 << 31)
-    kv_mode: str = _field("device", max_len=16)
-    pipeline_depth: int = _field(1, lo=0, hi=64)
-    ring_budget_mib: int = _field(0, lo=0, hi=1 << 31)
-    exact: bool = _field(False)
-    cuda_graphs: bool = _field(True)
-    max_batch_seqs: int = _field(64, lo=1, hi=1 << 20)  # decode graphs are captured up to it
+    config: WorkerConfig = _field()
     next_endpoint: str | None = _field(None, max_len=256)
     layer_start: int | None = _field(None, lo=0)
     layer_end: int | None = _field(None, lo=0)
@@ -241,6 +283,10 @@ class Ready:
 class Heartbeat:
     TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
     rank: int = _field(lo=0)
+    # a worker's forward passes so far (every stage's time shows in `status`; the last stage's
+    # also comes with each STEP_RESULT)
+    forward_seconds: float = _field(0.0, lo=0.0)
+    steps: int = _field(0, lo=0)
 
 
 @dataclass(slots=True)

@@ -3,25 +3,59 @@
 Pages are gathered by the sequence's page table, so the result depends only on the contents of
 its positions, never on which physical pages hold them.
 
-On CUDA the paged Triton kernel of exact mode (worker/kernels/exact_triton.py) serves default
-mode too, where Triton is installed and the head size is a power of two: it reads the pages in
-place, where a gather and `scaled_dot_product_attention` with grouped KV heads falls to PyTorch's
-math backend (about ten kernels and 0.3 ms of host time a layer, measured on an H200).
+A worker's paged attention is chosen once at load (`choose_attention`) and handed to its KV
+pool, whose layers and decode graphs attend through it. On CUDA the paged Triton kernel
+(worker/kernels/paged_triton.py) serves both modes, where Triton is installed and the head size
+is a power of two: it reads the pages in place, where a gather and
+`scaled_dot_product_attention` with grouped KV heads falls to PyTorch's math backend (about ten
+kernels and 0.3 ms of host time a layer, measured on an H200). Elsewhere default mode gathers
+for SDPA (below) and exact mode runs `exact_cpu`'s kernel.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from .batch import BatchMeta
+from .exact import exact_attention
 from .kernels import triton_kernels
 
+# q: [T, H, D]; K and V pages: [n_pages, page, KVH, D] already holding this step's rows; the
+# step's meta; the softmax scale -> [T, H, D]
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, BatchMeta, float], torch.Tensor]
 
-def _cuda_kernel(head_dim: int):
-    """The Triton paged attention for this head size, or None (then SDPA serves CUDA too)."""
-    kernels = triton_kernels()
-    return None if kernels is None or head_dim & (head_dim - 1) else kernels.paged_attention
+
+@dataclass(frozen=True)
+class PagedAttention:
+    """The paged attention of one worker, exact or default mode, for its device."""
+
+    attend: AttendFn  # what an eager step attends with
+    # The Triton kernels (worker/kernels/paged_triton.py) where the device runs them: what a
+    # captured decode step launches for its attention and its row writes; None: no capture.
+    kernels: ModuleType | None
+
+    def __call__(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                 meta: BatchMeta, scale: float) -> torch.Tensor:
+        return self.attend(q, k_pages, v_pages, meta, scale)
+
+
+def choose_attention(exact: bool, device: torch.device | str, head_dim: int) -> PagedAttention:
+    """Exact mode's (`worker/exact.py`) or default mode's paged attention on `device`. Raises
+    ValueError where exact mode needs Triton on CUDA and it is not installed."""
+    device = torch.device(device)
+    kernels = None
+    if device.type == "cuda" and not head_dim & (head_dim - 1):
+        kernels = triton_kernels()
+    if exact:
+        attend = exact_attention(device)
+    else:
+        attend = gather_attention if kernels is None else kernels.paged_attention
+    return PagedAttention(attend, kernels)
 
 
 def gather(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
@@ -29,19 +63,11 @@ def gather(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor
     return pool[table].flatten(0, 1)[:length]
 
 
-def paged_attention(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: BatchMeta, scale: float
-) -> torch.Tensor:
-    """q: [T, H, D]; pools: [n_pages, page, KVH, D] already holding this step's rows."""
-    if q.is_cuda and (kernel := _cuda_kernel(q.shape[-1])) is not None:
-        return kernel(q, k_pool, v_pool, meta, scale)
-    return gather_attention(q, k_pool, v_pool, meta, scale)
-
-
 def gather_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: BatchMeta, scale: float
 ) -> torch.Tensor:
-    """`paged_attention` by gathering each sequence's pages and PyTorch's SDPA."""
+    """Default mode's paged attention without Triton: each sequence's pages gathered for
+    PyTorch's SDPA."""
     if meta.decode_only and meta.n_seqs > 1:
         return _decode_batched(q, k_pool, v_pool, meta, scale)
     out = torch.empty_like(q)

@@ -22,6 +22,11 @@ class BatchMeta:
     write_offsets: torch.Tensor  # [T] int64, offset of the row inside that page
     sample_rows: torch.Tensor  # [N] int64, rows whose logits are sampled
     decode_only: bool  # every sequence contributes exactly one row
+    # What page_tables, write_pages and write_offsets were built from, as ints in the pool's page
+    # ids (a meta renumbered into a staging slot keeps these: its host pool reads them)
+    used_pages: list[list[int]]  # B x [n_pages]
+    row_pages: list[int]  # [T]
+    row_offsets: list[int]  # [T]
 
     @property
     def n_seqs(self) -> int:
@@ -96,4 +101,7 @@ def build_meta(
         write_offsets=offsets_t,
         sample_rows=sample_t,
         decode_only=all(n == 1 for n in counts),
+        used_pages=used,
+        row_pages=pages,
+        row_offsets=offsets,
     )

@@ -32,10 +32,10 @@ buffers are captured by address: when a ring reallocates its buffer, the graphs 
 again.
 
 The pieces run the same modules as the eager path (`Block.before_attention` /
-`after_attention`) and the same attention kernel, so a device pool and a host pool, one worker
-or several, exact mode or not, all see the same kernels for the same step. `capture=False` runs
-the pieces eagerly over the same buffers (the CPU tests), attention through the pool's own
-attention function.
+`after_attention`) and the same attention kernel (the pool's `PagedAttention`), so a device pool
+and a host pool, one worker or several, exact mode or not, all see the same kernels for the same
+step. `capture=False` runs the pieces eagerly over the same buffers (the CPU tests), attention
+through the pool's eager attention and the rows written as an eager step writes them.
 """
 
 from __future__ import annotations
@@ -46,65 +46,21 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from . import cuda_driver
 from .batch import BatchMeta, device_ints
-from .kernels import ATTENTION_SPLIT, triton_kernels
+from .kernels import ATTENTION_SPLIT
+from .kv.pool import Pool
+from .kv.rows import write_rows
 from .model import StageModel
 
 log = logging.getLogger("siding.worker")
 
 MAX_ROWS = 256  # decode steps with more rows run eagerly
 PREPARED_SPLITS = 8  # graphs built at load: contexts up to 8 splits (2048 keys)
-
-
-class GraphLayer(Protocol):
-    """What a decode graph needs of one layer of a pool (KVPool's and HostKVPool's views)."""
-
-    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V pages this layer's attention reads, [pages, page, KVH, D], by address."""
-
-    def enter(self) -> Any:
-        """Before the layer's piece: what must precede its writes and reads (a slot's delivery)."""
-
-    def leave(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """After it: the step's new rows k, v [T, KVH, D], and freeing what it read."""
-
-
-class GraphPool(Protocol):
-    """What a decode graph needs of a KV pool, between its `begin_step` and `end_step`."""
-
-    layers: list[GraphLayer]
-    page_size: int
-    scale: float
-    attention: Callable[..., torch.Tensor]
-    hooks: bool  # whether the layers' enter/leave do anything (else one graph a step)
-    # with hooks: layers a piece holds this step, the hooks run around it for each (a ring
-    # slot's layers)
-    piece_layers: int
-    carries: bool  # whether a step may carry the last step's rows (`carried`)
-    # this step's carried rows [L, 2, T, KVH, D], with their pages (before the base) and
-    # offsets [T]: a step writes them into its buffers before its own, where its buffers were
-    # filled from pages that lack them (None: none this step)
-    carried: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-
-    def graph_key(self) -> Any:
-        """Changes whenever a buffer a captured graph holds by address is replaced; None: the
-        pool has no buffers yet."""
-
-    def spare_page(self) -> int:
-        """A page in every layer's buffers that nothing reads: padding rows write there."""
-
-    def step_tables(self) -> list[torch.Tensor]:
-        """This step's page tables, in the buffers' numbering before the page base. The same
-        list again means the same tables: a graph copies them to the device only when it
-        changes (the list is never modified in place)."""
-
-    def page_bases(self) -> list[int]:
-        """Each layer's page base this step: its tables index buffers from there."""
 
 
 def splits_bucket(context: int) -> int:
@@ -116,7 +72,7 @@ def splits_bucket(context: int) -> int:
 class StepBuffers:
     """A decode step of up to `rows` rows, in fixed buffers that the captured kernels read."""
 
-    def __init__(self, rows: int, splits: int, stage: StageModel, pool: GraphPool,
+    def __init__(self, rows: int, splits: int, stage: StageModel, pool: Pool,
                  device: torch.device, capture: bool):
         a = stage.args
         self.rows, self.pool = rows, pool
@@ -129,10 +85,11 @@ class StepBuffers:
         self.blocks = blocks.view(rows, 3)
         self.pages_per_row = -(-splits * ATTENTION_SPLIT // pool.page_size)
         self.tables = torch.zeros(rows * self.pages_per_row, dtype=torch.int64, device=device)
+        # captured: the Triton kernels, launched over these buffers; else the pool's eager paths
+        self.kernels = pool.attention.kernels if capture else None
         self.scratch = None
-        if capture:
-            self.scratch = triton_kernels().split_scratch(rows, a.n_heads, a.head_dim, splits,
-                                                          device)
+        if self.kernels is not None:
+            self.scratch = self.kernels.split_scratch(rows, a.n_heads, a.head_dim, splits, device)
         self.meta: BatchMeta | None = None  # the step's (for eager pieces' attention)
         self._tables: list[torch.Tensor] | None = None  # the tables `self.tables` holds
         self.write_page = self.write_offset = None  # [layers, rows] and [rows], set by piece 0
@@ -154,10 +111,13 @@ class StepBuffers:
             self._fill_carried(None)
 
     def fill(self, meta: BatchMeta) -> None:
+        """meta: what the pool's begin_step returned; its tables number the pool's buffers
+        before each layer's base. The same list again means the same tables (never modified in
+        place): they are copied to the device only when it changes."""
         n, rows = meta.n_seqs, self.rows
         pad = rows - n
         positions = [c - 1 for c in meta.context_lens]  # a decode row is its context's last
-        tables = self.pool.step_tables()
+        tables = meta.page_tables
         starts = [0]
         for t in tables:
             starts.append(starts[-1] + t.numel())
@@ -186,6 +146,7 @@ class StepBuffers:
     def locate_rows(self) -> None:
         """Each row's page (with each layer's base: [layers, rows]) and offset, and the same for
         the carried rows."""
+        # not meta's write_pages: a replay computes them on the device, from the fixed buffers
         page = self.pool.page_size
         pos = self.attn_positions.clamp(min=0)
         pages = torch.where(self.attn_positions >= 0,
@@ -206,31 +167,22 @@ class StepBuffers:
         attention: [rows, H, D]."""
         pool = self.pool
         k_pages, v_pages = pool.layers[layer].buffers()
-        k, v = k.to(k_pages.dtype), v.to(v_pages.dtype)
-        pages = self.write_page[layer]
         carried = None
         if self.carry_pages is not None:
             carried = (self.carry_rows[layer], self.carry_pages[layer], self.carry_at[1])
-        if self.scratch is not None:  # captured: one launch writes them all
-            triton_kernels().write_rows(k_pages, v_pages, k, v, pages, self.write_offset,
-                                        carried)
-        else:
-            if carried is not None:  # the last step's rows first: the pages lack them
-                rows, at = carried[0], carried[1:]
-                k_pages.index_put_(at, rows[0])
-                v_pages.index_put_(at, rows[1])
-            k_pages.index_put_((pages, self.write_offset), k)
-            v_pages.index_put_((pages, self.write_offset), v)
+        # captured (self.kernels), one launch writes them all
+        write_rows(k_pages, v_pages, k, v, self.write_page[layer], self.write_offset, carried,
+                   self.kernels)
         base = self.bases[layer:layer + 1]
-        if self.scratch is not None:
+        if self.kernels is not None:
             out = torch.empty_like(q)
-            triton_kernels().launch(q, k_pages, v_pages, self.tables, base, self.blocks,
-                                    self.attn_positions, self.scratch, out, pool.scale)
+            self.kernels.launch(q, k_pages, v_pages, self.tables, base, self.blocks,
+                                self.attn_positions, self.scratch, out, pool.scale)
             return out
         # eager pieces: the pool's own attention over the real rows, through the same bases
         meta, n = self.meta, self.meta.n_seqs
         offset = pool.page_bases()[layer]
-        shifted = replace(meta, page_tables=[t + offset for t in pool.step_tables()])
+        shifted = replace(meta, page_tables=[t + offset for t in meta.page_tables])
         out = torch.zeros_like(q)
         out[:n] = pool.attention(q[:n], k_pages, v_pages, shifted, pool.scale)
         return out
@@ -239,7 +191,7 @@ class StepBuffers:
 class StepGraph:
     """The buffers and pieces of one (row bucket, split bucket)."""
 
-    def __init__(self, stage: StageModel, pool: GraphPool, rows: int, splits: int,
+    def __init__(self, stage: StageModel, pool: Pool, rows: int, splits: int,
                  device: torch.device, dtype: torch.dtype, capture: bool):
         a = stage.args
         self.buffers = b = StepBuffers(rows, splits, stage, pool, device, capture)
@@ -308,20 +260,21 @@ class DecodeGraphs:
     exercise, and what a CUDA capture replays.
     """
 
-    def __init__(self, stage: StageModel, pool: GraphPool, device: torch.device | str,
+    def __init__(self, stage: StageModel, pool: Pool, device: torch.device | str,
                  capture: bool = True):
         self.stage = stage
-        self.kv = pool
+        self.kv_pool = pool
         self.device = torch.device(device)
         self.dtype = next(stage.parameters()).dtype
         self.capture = capture
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a cuda device, not {self.device}")
         head_dim = stage.args.head_dim
-        if capture and (triton_kernels() is None or head_dim & (head_dim - 1)):
+        if capture and pool.attention.kernels is None:
             raise ValueError("CUDA graphs capture the Triton paged attention, which needs "
                              f"Triton and a power-of-two head size (not {head_dim})")
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        # the captured graphs' memory
+        self.memory_pool = torch.cuda.graph_pool_handle() if capture else None
         # (rows, splits, layers a piece holds: 0 for one graph a step) -> graph
         self.graphs: dict[tuple[int, int, int], StepGraph] = {}
         self._key: Any = None  # the pool's graph_key the graphs were captured against
@@ -353,7 +306,7 @@ class DecodeGraphs:
 
     def forward(self, inputs: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         """As `StageModel.forward` over the pool's layers, between its begin_step and end_step;
-        the caller checks `bucket_rows` first."""
+        meta: what begin_step returned. The caller checks `bucket_rows` first."""
         n = meta.n_seqs
         self._current()
         size = self._piece_layers()  # a ring's slot size may change from step to step
@@ -361,12 +314,12 @@ class DecodeGraphs:
         g = self.graphs.get(key) or self._build(*key)
         g.buffers.fill(meta)
         g.inputs[:n].copy_(inputs)
-        if not self.kv.hooks:
+        if not size:
             for piece in g.pieces:
                 piece()
         else:
             g.pieces[0]()
-            layers = self.kv.layers
+            layers = self.kv_pool.layers
             for j, piece in enumerate(g.pieces[1:]):
                 group = range(j * size, min((j + 1) * size, len(layers)))
                 for i in group:
@@ -379,22 +332,23 @@ class DecodeGraphs:
 
     def _current(self) -> bool:
         """Drop graphs captured against buffers the pool has since replaced."""
-        key = self.kv.graph_key()
+        key = self.kv_pool.graph_key()
         if key != self._key:
             for g in self.graphs.values():
                 g.release()
             self.graphs.clear()
             if self.capture:  # the released graphs' memory pool may not be captured into again
-                self.pool = torch.cuda.graph_pool_handle()
+                self.memory_pool = torch.cuda.graph_pool_handle()
             self._key = key
         return key is not None
 
     def _piece_layers(self) -> int:
         """Layers a piece holds this step; 0: the step is one graph (a pool without hooks)."""
-        return self.kv.piece_layers if self.kv.hooks else 0
+        return self.kv_pool.piece_layers
 
     def _build(self, rows: int, splits: int, size: int) -> StepGraph:
-        g = StepGraph(self.stage, self.kv, rows, splits, self.device, self.dtype, self.capture)
+        g = StepGraph(self.stage, self.kv_pool, rows, splits, self.device, self.dtype,
+                      self.capture)
         if not self.capture:
             g.pieces = g.pieces_of(size) if size else g.fns
         else:
@@ -429,7 +383,8 @@ class DecodeGraphs:
         pieces = []
         for fn in fns:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.memory_pool,
+                                  capture_error_mode="thread_local"):
                 fn()
             # a replay rewrites these tensors in place; the attributes the pieces set are not
             # reset by it

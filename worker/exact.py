@@ -2,21 +2,22 @@
 
 `apply_exact(stage, device)` swaps the forward of each module whose arithmetic would depend on
 the other rows of its launch (every Linear), as gpt-fast's `apply_tp` does for tensor
-parallelism. A `KVPool` built with `exact=True` attends through `exact_paged_attention`. On CUDA
-RMSNorm (whose reduction torch splits by shape there) needs no swap: every mode runs it as the
-row-per-program Triton kernel (worker/model.py), and default mode attends with the same paged
-kernel too (worker/attention.py), so there exact mode changes only the matmuls.
+parallelism; `exact_attention(device)` is the paged attention a worker chooses in exact mode
+(`worker.attention.choose_attention`). On CUDA RMSNorm (whose reduction torch splits by shape
+there) needs no swap: every mode runs it as the row-per-program Triton kernel (worker/model.py),
+and default mode attends with the same paged kernel too, so there exact mode changes only the
+matmuls.
 docs/exact-mode.md says what is guaranteed and how each kernel keeps it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch import nn
 
-from .batch import BatchMeta
 from .kernels import exact_cpu, triton_kernels
 from .model import StageModel
 
@@ -46,14 +47,13 @@ def apply_exact(stage: StageModel, device: torch.device | str) -> None:
             m.forward = partial(linear, weight=m.weight, bias=m.bias)
 
 
-def exact_paged_attention(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: BatchMeta, scale: float
-) -> torch.Tensor:
-    """`worker.attention.paged_attention`'s contract; each row's bits independent of the batch,
-    of the chunking of its prompt and of where its pages live."""
-    if q.device.type == "cuda":
-        return _triton().paged_attention(q, k_pool, v_pool, meta, scale)
-    return exact_cpu.paged_attention(q, k_pool, v_pool, meta, scale)
+def exact_attention(device: torch.device) -> Callable[..., torch.Tensor]:
+    """Exact mode's paged attention on `device` (`worker.attention.PagedAttention.attend`'s
+    contract): each row's bits independent of the batch, of the chunking of its prompt and of
+    where its pages live."""
+    if device.type == "cuda":
+        return _triton().paged_attention
+    return exact_cpu.paged_attention
 
 
 def _triton():

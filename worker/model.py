@@ -39,8 +39,6 @@ class ModelArgs:
     rope_scaling: dict | None = None
     q_dim: int = field(init=False)
     kv_dim: int = field(init=False)
-    n_rep: int = field(init=False)
-    attn_scale: float = field(init=False)
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -61,16 +59,12 @@ class ModelArgs:
                 )
         self.q_dim = self.n_heads * self.head_dim
         self.kv_dim = self.n_kv_heads * self.head_dim
-        self.n_rep = self.n_heads // self.n_kv_heads
-        self.attn_scale = self.head_dim**-0.5
 
 
 class LayerKV(Protocol):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, meta: Any) -> Tensor:
-        """q: [T, H, D], k/v: [T, KVH, D] (new rows, RoPE applied) -> [T, H, D].
-
-        Softmax scale is `ModelArgs.attn_scale`.
-        """
+        """q: [T, H, D], k/v: [T, KVH, D] (new rows, RoPE applied) -> [T, H, D], softmax
+        scale head_dim ** -0.5."""
         ...
 
 

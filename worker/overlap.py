@@ -20,14 +20,13 @@ each context lie in the sequence's last page, which it owns alone (a fork copies
 where the next step to reach that position writes again before anything reads it. Exact mode
 keeps its guarantee: a row's bits do not depend on which step carried it.
 
-`SIDING_OVERLAP` (`1` on, `0` off) decides it; unset, it is on for a CUDA device, where it was
-measured to help with either KV mode (docs/overlap-scheduling.md). On a CPU the forward pass is
-synchronous, so a guess computes a whole step before anything else can run.
+`--overlap` (`on`, `off`) decides it; `auto`, the default, turns it on for a CUDA device, where
+it was measured to help with either KV mode (docs/overlap-scheduling.md). On a CPU the forward
+pass is synchronous, so a guess computes a whole step before anything else can run.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,16 +36,12 @@ from protocol.messages import SeqPlan, Step
 from .runner import ModelRunner
 from .sampler import SamplingParams
 
-OVERLAP_ENV = "SIDING_OVERLAP"
 
-
-def overlap_enabled(device: torch.device | str) -> bool:
-    value = os.environ.get(OVERLAP_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{OVERLAP_ENV} must be 0 or 1, not {value!r}")
-    if value:
-        return value == "1"
-    return torch.device(device).type == "cuda"
+def overlap_enabled(setting: str, device: torch.device | str) -> bool:
+    """`--overlap`: on, off, or auto (on for a CUDA device)."""
+    if setting == "auto":
+        return torch.device(device).type == "cuda"
+    return setting == "on"
 
 
 def continues(last: Step | None, plan: Step) -> bool:

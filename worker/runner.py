@@ -11,10 +11,9 @@ from protocol.messages import Step
 
 from .batch import BatchMeta, build_meta, device_ints
 from .cuda_graphs import DecodeGraphs
-from .host_kv import HostKVPool
-from .kv_pool import KVPool
+from .kv.park_store import ParkStore
+from .kv.pool import Pool
 from .model import StageModel
-from .park_store import ParkStore
 from .sampler import SamplingParams, sample
 
 
@@ -27,7 +26,7 @@ class SequenceFault(ProtocolError):
 
 
 class ModelRunner:
-    def __init__(self, stage: StageModel, pool: KVPool | HostKVPool, park: ParkStore,
+    def __init__(self, stage: StageModel, pool: Pool, park: ParkStore,
                  device: torch.device | str, graphs: DecodeGraphs | None = None):
         """graphs: replays decode steps (worker/cuda_graphs.py); None runs every step eagerly."""
         self.stage = stage
@@ -102,12 +101,12 @@ class ModelRunner:
             inputs = tokens
         else:
             (inputs,) = device_ints([plan.token_ids], self.device)
-        self.pool.begin_step(meta, {s.id: self.tables[s.id] for s in plan.seqs})
+        layer_meta = self.pool.begin_step(meta, [s.id for s in plan.seqs])
         if (self.graphs is not None and meta.decode_only
                 and self.graphs.bucket_rows(meta.n_seqs) is not None):
-            out = self.graphs.forward(inputs, meta)
+            out = self.graphs.forward(inputs, layer_meta)
         else:
-            out = self.stage(inputs, meta.positions, self.pool.layers, meta)
+            out = self.stage(inputs, meta.positions, self.pool.layers, layer_meta)
         self.pool.end_step()
         return out
 

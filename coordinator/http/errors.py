@@ -16,6 +16,7 @@ STATUS = {
     ErrorCode.ABORTED.value: (499, "invalid_request_error"),
     ErrorCode.WORKER_FAILED.value: (503, "server_error"),
     ErrorCode.UNAVAILABLE.value: (503, "server_error"),
+    ErrorCode.TIMEOUT.value: (504, "server_error"),
     ErrorCode.INTERNAL.value: (500, "server_error"),
 }
 

@@ -11,9 +11,10 @@ from collections.abc import Callable
 
 import torch
 
+from worker.attention import choose_attention
 from worker.batch import build_meta
 from worker.exact import apply_exact
-from worker.kv_pool import KVPool
+from worker.kv.device_pool import KVPool
 from worker.loaders import resolve
 
 ROW_COUNTS = [*range(1, 71), 97, 128, 255, 333, 512]
@@ -93,9 +94,11 @@ def split_chunks(split: int, length: int) -> list[range]:
     return [c for c in chunks if 0 <= c.start and c.stop <= length]
 
 
-def prompt_bits(exact: bool, chunkings: list[list[int]], device: str,
-                dtype: torch.dtype, model: str = "synthetic:tiny", length: int = 40) -> list[bool]:
-    """For each chunking of a `length`-token prompt: are its hidden states the one-chunk ones?"""
+def prompt_runs(exact: bool, chunkings: list[list[int]], device: str, dtype: torch.dtype,
+                model: str = "synthetic:tiny", length: int = 40
+                ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A `length`-token prompt prefilled in one chunk, then in each chunking: the hidden states
+    and the K and V of its pages (every layer) each left."""
     source = resolve(model)
     a = source.args
     stage = source.load_stage(0, a.n_layers, dtype, device)
@@ -106,16 +109,32 @@ def prompt_bits(exact: bool, chunkings: list[list[int]], device: str,
     n_pages = -(-length // 16)
     tokens = tokens.to(device)
 
-    def run(chunks: list[int]) -> torch.Tensor:
+    def run(chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pool = KVPool(a.n_layers, n_pages + 5, 16, a.n_kv_heads, a.head_dim, dtype, device,
-                      exact)
+                      choose_attention(exact, device, a.head_dim))
         out, start, table = [], 0, [5, 2, 7, *range(8, n_pages + 5)][:n_pages]
         with torch.inference_mode():
             for n in chunks:
                 meta = build_meta([start], [n], [table], [True], pool.page_size, device)
                 out.append(stage(tokens[start : start + n], meta.positions, pool.layers, meta))
                 start += n
-        return torch.cat(out)
+        return torch.cat(out), pool.k[:, table].clone(), pool.v[:, table].clone()
 
-    whole = run([length])
-    return [torch.equal(whole, run(c)) for c in chunkings]
+    return [run(c) for c in [[length], *chunkings]]
+
+
+def prompt_bits(exact: bool, chunkings: list[list[int]], device: str,
+                dtype: torch.dtype, model: str = "synthetic:tiny", length: int = 40) -> list[bool]:
+    """For each chunking of a `length`-token prompt: are its hidden states the one-chunk ones?"""
+    (whole, _, _), *runs = prompt_runs(exact, chunkings, device, dtype, model, length)
+    return [torch.equal(whole, hidden) for hidden, _, _ in runs]
+
+
+def prompt_kv_bits(exact: bool, chunkings: list[list[int]], device: str,
+                   dtype: torch.dtype, model: str = "synthetic:tiny", length: int = 40
+                   ) -> list[bool]:
+    """For each chunking: are the K and V its prefill left in the pages the one-chunk ones, bit
+    for bit? What a prefix cache hit relies on: a cached page must hold what the request would
+    have computed itself."""
+    (_, k0, v0), *runs = prompt_runs(exact, chunkings, device, dtype, model, length)
+    return [torch.equal(k0, k) and torch.equal(v0, v) for _, k, v in runs]

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from worker.attention import choose_attention
 from worker.batch import build_meta
 from worker.exact import apply_exact
-from worker.kv_pool import KVPool
+from worker.kv.device_pool import KVPool
 from worker.loaders import resolve
 
 
@@ -31,8 +32,9 @@ class Stages:
         if exact:
             for stage in self.stages:
                 apply_exact(stage, device)
-        self.pools = [KVPool(e - s, n_pages, page, a.n_kv_heads, a.head_dim, dtype, device, exact)
-                      for s, e in zip(bounds, bounds[1:])]
+        attention = choose_attention(exact, device, a.head_dim)
+        self.pools = [KVPool(e - s, n_pages, page, a.n_kv_heads, a.head_dim, dtype, device,
+                             attention) for s, e in zip(bounds, bounds[1:])]
         self.page, self.device = page, device
 
     @torch.inference_mode()

@@ -49,6 +49,7 @@ from protocol.messages import (
     StepResult,
     Submit,
     Usage,
+    WorkerConfig,
     to_header,
 )
 from protocol.wire import VERSION, decode, encode
@@ -63,7 +64,7 @@ VALID = [  # seeds: one of each type, with nested fields filled in
     StatusReply({"workers": [{"rank": 0}], "pool": {"free": 3}}),
     Error("internal", "x", None),
     Register(rank=0, device="cpu", pid=1),
-    Assign(rank=0, n_workers=1, model="m", dtype="f32", page_size=16, kv_pages=8),
+    Assign(rank=0, n_workers=1, config=WorkerConfig(model="m", page_size=16, kv_pages=8)),
     Ready(rank=0, layer_start=0, layer_end=1,
           model=ModelInfo("m", 1, 8, 64, "{}", None, 1, True, [2])),
     Heartbeat(rank=0),

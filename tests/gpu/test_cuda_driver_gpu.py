@@ -1,6 +1,6 @@
-"""The driver calls the staging ring and the decode graphs make: copies both ways land the
-bytes, events order one stream after another and time it, a failed call raises with the
-driver's name for the error, and a transport refuses a copy it cannot make in one piece.
+"""The CUDA calls the staging ring and the decode graphs make (through CuPy): copies both ways
+land the bytes, events order one stream after another and time it, a failed call raises with
+the runtime's name for the error, and a transport refuses a copy it cannot make in one piece.
 Skipped without a GPU."""
 
 import pytest
@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from worker import cuda_driver as cuda  # noqa: E402
-from worker.transport import CudaTransport  # noqa: E402
+from worker.kv.transport import CudaTransport  # noqa: E402
 
 
 def test_copies_land_the_bytes_both_ways():
@@ -53,8 +53,8 @@ def test_a_stream_waits_for_an_event_recorded_on_another():
     assert start.elapsed_ms(end) > 1.0
 
 
-def test_a_failed_call_raises_with_the_drivers_name():
-    with pytest.raises(cuda.CudaError, match="CUDA_ERROR_INVALID"):
+def test_a_failed_call_raises_with_the_runtimes_name():
+    with pytest.raises(cuda.CudaError, match="CUDA call failed: cudaErrorInvalid"):
         cuda.launch_graph(0, torch.cuda.current_stream().cuda_stream)
 
 

@@ -9,11 +9,10 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from unit.test_decode_graphs import pages_needed, run, runner  # noqa: E402
+from helpers.decode_steps import pages_needed, run, runner  # noqa: E402
 
 from benchmarks.kv_pipeline import build_arms, parse_args  # noqa: E402
 from worker.loaders import resolve  # noqa: E402
-from worker.transport import DELAY_ENV  # noqa: E402
 
 DEV, DT = "cuda", torch.bfloat16
 LONG = {1: 700, 2: 300, 3: 530, 4: 260, 5: 45}  # contexts over several 256-key splits
@@ -74,13 +73,13 @@ def test_captured_graphs_over_several_splits_match_the_eager_forward_bit_for_bit
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_a_context_already_in_a_host_pool_decodes_from_its_first_step_in_captured_graphs(
-        monkeypatch, depth):
+        depth):
     """The first step is a decode, so its graphs are captured before the ring has delivered
     most layers even once (a wait captured on an event never recorded would not wait: see
     docs/kv-pipelining.md, "Captured ring events"); every copy is delayed on the transfer
     stream, so a missing wait reads a slot before it lands."""
-    monkeypatch.setenv(DELAY_ENV, "0.3")
-    a = parse_args(["--model", "synthetic:tiny", "--depths", str(depth)])
+    a = parse_args(["--model", "synthetic:tiny", "--depths", str(depth),
+                    "--transport-delay-ms", "0.3"])
     source = resolve(a.model)
     stage = source.load_stage(0, source.args.n_layers, DT, DEV)
     arms = build_arms(stage, source.args, 1500, 24, DT, torch.device(DEV), a, graphs=True)

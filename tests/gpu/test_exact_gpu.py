@@ -29,11 +29,12 @@ from exactness.invariance import (  # noqa: E402
     counts_where_row_differs,
     positions_where_row_differs,
     prompt_bits,
+    prompt_kv_bits,
     split_chunks,
 )
 
-from worker.attention import gather_attention, paged_attention  # noqa: E402
-from worker.kernels import exact_triton  # noqa: E402
+from worker.attention import choose_attention, gather_attention  # noqa: E402
+from worker.kernels import paged_triton  # noqa: E402
 from worker.model import RMSNorm  # noqa: E402
 
 DEV, DT = "cuda", torch.bfloat16
@@ -51,19 +52,19 @@ def weights(k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_linear_row_alone_equals_row_in_a_launch_of_any_size(k, n):
     x, w = weights(k, n)
-    assert counts_where_row_differs(lambda a: exact_triton.linear(a, w), x, COUNTS) == []
+    assert counts_where_row_differs(lambda a: paged_triton.linear(a, w), x, COUNTS) == []
 
 
 @pytest.mark.parametrize("k,n", SHAPES[2:4])
 def test_linear_row_keeps_its_bits_at_any_position_of_a_launch(k, n):
     x, w = weights(k, n, seed=1)
     for m in (5, 64, 67, 300):
-        assert positions_where_row_differs(lambda a: exact_triton.linear(a, w), x, m) == []
+        assert positions_where_row_differs(lambda a: paged_triton.linear(a, w), x, m) == []
 
 
 def test_linear_matches_torch():
     x, w = weights(4096, 6144)
-    torch.testing.assert_close(exact_triton.linear(x[:300], w), x[:300] @ w.T, rtol=2e-2,
+    torch.testing.assert_close(paged_triton.linear(x[:300], w), x[:300] @ w.T, rtol=2e-2,
                                atol=2e-2)
 
 
@@ -80,7 +81,7 @@ def test_rms_norm_row_alone_equals_row_in_a_launch_and_matches_the_module(dim):
     norm = RMSNorm(dim, 1e-5).to(DEV, DT)
     norm.weight.data.normal_()
     x = torch.randn(2048, dim, device=DEV, dtype=DT)
-    fn = lambda a: exact_triton.rms_norm(a, norm.weight, norm.eps)  # noqa: E731
+    fn = lambda a: paged_triton.rms_norm(a, norm.weight, norm.eps)  # noqa: E731
     assert counts_where_row_differs(fn, x, COUNTS) == []
     h = x.float()
     ref = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)).to(DT)
@@ -97,24 +98,24 @@ def paged(seed: int, page: int = 16) -> PagedSequences:
 
 def test_attention_chunk_rows_equal_rows_attended_alone_across_split_boundaries():
     seqs = paged(0)
-    chunks = split_chunks(exact_triton.SPLIT, LENS[0]) + [range(0, 300)]
-    assert chunks_that_differ_from_rows(exact_triton.paged_attention, seqs, 0, chunks) == []
+    chunks = split_chunks(paged_triton.SPLIT, LENS[0]) + [range(0, 300)]
+    assert chunks_that_differ_from_rows(paged_triton.paged_attention, seqs, 0, chunks) == []
 
 
 def test_attention_does_not_depend_on_page_placement_or_page_size():
     rows = [(0, 600, 100), (1, 40, 1), (3, 0, 300)]
-    ref = paged(0).attend(exact_triton.paged_attention, rows)
+    ref = paged(0).attend(paged_triton.paged_attention, rows)
     for seed, page in [(1, 16), (2, 4), (3, 1), (4, 256)]:
-        out = paged(seed, page).attend(exact_triton.paged_attention, rows)
+        out = paged(seed, page).attend(paged_triton.paged_attention, rows)
         assert all(torch.equal(a, b) for a, b in zip(out, ref)), (seed, page)
 
 
 def test_attention_decode_row_ignores_its_neighbours():
     seqs = paged(0)
-    alone = seqs.attend(exact_triton.paged_attention, [(1, 40, 1)])[0]
+    alone = seqs.attend(paged_triton.paged_attention, [(1, 40, 1)])[0]
     for rows in ([(0, 699, 1), (1, 40, 1)], [(2, 6, 1), (1, 40, 1), (3, 299, 1)],
                  [(0, 200, 64), (1, 40, 1), (2, 0, 7)]):
-        out = seqs.attend(exact_triton.paged_attention, rows)
+        out = seqs.attend(paged_triton.paged_attention, rows)
         assert torch.equal(out[rows.index((1, 40, 1))], alone), rows
 
 
@@ -125,7 +126,7 @@ def test_attention_matches_the_dense_reference():
     mask = torch.arange(700, device=DEV)[None, :] <= torch.arange(500, 700, device=DEV)[:, None]
     ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                          attn_mask=mask, enable_gqa=True).transpose(0, 1)
-    out = seqs.attend(exact_triton.paged_attention, [(0, 500, 200)])[0]
+    out = seqs.attend(paged_triton.paged_attention, [(0, 500, 200)])[0]
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 
@@ -142,14 +143,20 @@ def test_sdpa_attention_does_differ_beside_neighbours_on_this_gpu():
 def test_default_attention_on_cuda_is_the_paged_kernel():
     seqs = paged(0)
     rows = [(0, 699, 1), (1, 40, 1), (2, 4, 3)]
-    for a, b in zip(seqs.attend(paged_attention, rows),
-                    seqs.attend(exact_triton.paged_attention, rows), strict=True):
+    for a, b in zip(seqs.attend(choose_attention(False, DEV, 128), rows),
+                    seqs.attend(paged_triton.paged_attention, rows), strict=True):
         assert torch.equal(a, b)
 
 
 def test_exact_stage_gives_a_prompt_the_same_bits_in_one_chunk_or_any_chunks():
     chunkings = [[1] * 40, [3, 17, 1, 19], [33, 7]]
     assert prompt_bits(True, chunkings, DEV, DT) == [True, True, True]
+
+
+def test_exact_prefill_leaves_the_same_kv_bits_in_its_pages_however_it_was_chunked():
+    chunkings = [[1] * 300, [7, 293], [16] * 18 + [12], [150, 150]]
+    assert prompt_kv_bits(True, chunkings, DEV, DT, model=DEFAULT_DIFFERS, length=300) == [
+        True] * 4
 
 
 def test_default_stage_does_differ_between_chunkings_on_this_gpu():

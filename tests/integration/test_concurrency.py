@@ -6,7 +6,7 @@ import time
 import pytest
 import zmq
 
-from protocol import Client
+from protocol import Client, RequestError
 from protocol.messages import Generate
 from protocol.wire import encode
 
@@ -84,3 +84,26 @@ def test_abort_mid_stream_ends_the_request_and_frees_pages(cluster):
         assert first.token_ids
         stream.close()  # sends an Abort
         assert wait_for_pages(cluster.endpoint, 0) == 0
+
+
+def test_only_the_client_that_sent_a_request_may_abort_it(cluster):
+    with Client(cluster.endpoint, timeout=60) as owner, Client(cluster.endpoint,
+                                                               timeout=60) as other:
+        stream = owner.stream("Count to ten:", max_tokens=24, ignore_eos=True,
+                              request_id="mine")
+        first = next(stream)
+        with pytest.raises(RequestError) as e:
+            other.abort("mine")
+        assert e.value.code == "invalid_request" and "aborts only its own" in e.value.message
+        tokens = len(first.token_ids) + sum(len(c.token_ids) for c in stream)
+        assert tokens == 24  # untouched by the other's abort
+        # the owner's own abort of a request it no longer waits on is answered the same way
+        with pytest.raises(RequestError):
+            owner.abort("mine")
+        streaming = owner.stream("Count to ten:", max_tokens=2000, ignore_eos=True,
+                                 request_id="again")
+        next(streaming)
+        owner.abort("again")  # its own, waited on: the stream ends with `aborted`
+        with pytest.raises(RequestError) as e:
+            list(streaming)
+        assert e.value.code == "aborted"

@@ -1,15 +1,14 @@
-"""Overlapped decode steps (worker/overlap.py; SIDING_OVERLAP=1, which the launched cluster
-inherits): a worker that enqueues each greedy decode step's successor before its plan arrives
+"""Overlapped decode steps (worker/overlap.py; `--overlap on`, which a CPU cluster lacks by
+default): a worker that enqueues each greedy decode step's successor before its plan arrives
 gives the same token ids as workers that do not, with device and host KV, alone and (in exact
 mode) in a crowd whose batch changes every few steps; it reports the steps it used and dropped."""
 
 from __future__ import annotations
 
 import pytest
-from integration.test_kv_host import CROWD, MODEL, crowd, exact_crowd, outputs, scrape
+from helpers.cluster_tokens import CROWD, MODEL, crowd, exact_crowd, outputs, scrape
 
 from coordinator.prometheus_config import free_metrics_port, worker_ports
-from worker.overlap import OVERLAP_ENV
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +26,9 @@ def reference(launch) -> list[list[int]]:
     # the steps after them, never match a guess
     ("--kv", "host", "--pipeline-depth", "2", "--preempt-every", "3"),
 ])
-def test_overlapped_steps_give_the_tokens_of_plain_ones(launch, reference, monkeypatch, kv):
-    monkeypatch.setenv(OVERLAP_ENV, "1")
+def test_overlapped_steps_give_the_tokens_of_plain_ones(launch, reference, kv):
     port = free_metrics_port(1)
-    c = launch(*MODEL, *kv, "--metrics-port", str(port))
+    c = launch(*MODEL, *kv, "--overlap", "on", "--metrics-port", str(port))
     assert outputs(c.endpoint) == reference
     (worker,) = worker_ports(port, 1)
     m = scrape(worker)
@@ -41,11 +39,11 @@ def test_overlapped_steps_give_the_tokens_of_plain_ones(launch, reference, monke
     c.stop()
 
 
-def test_overlapped_steps_keep_exact_mode_exact_for_a_crowd(launch, monkeypatch):
+def test_overlapped_steps_keep_exact_mode_exact_for_a_crowd(launch):
     expected = exact_crowd(launch)
-    monkeypatch.setenv(OVERLAP_ENV, "1")
     port = free_metrics_port(1)
-    overlapped = launch(*MODEL, "--exact", "--kv", "host", "--metrics-port", str(port))
+    overlapped = launch(*MODEL, "--exact", "--kv", "host", "--overlap", "on", "--metrics-port",
+                        str(port))
     assert crowd(overlapped.endpoint) == expected
     (worker,) = worker_ports(port, 1)
     m = scrape(worker)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +55,37 @@ def test_a_metrics_port_in_use_is_named_with_its_address():
                       "--listen", "tcp://127.0.0.1:*", "--worker-listen", "tcp://127.0.0.1:*")
     assert out.returncode == 1
     assert f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("command", [["status"], ["generate", "hi"], ["generate", "hi",
+                                                                      "--stream"]])
+def test_a_cluster_that_is_not_running_is_answered_in_seconds_with_a_hint(command):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens on it once closed
+    t0 = time.monotonic()
+    r = run_cli(*command, "--endpoint", f"tcp://127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 5
+    assert r.returncode == 1 and "is a cluster running? Start one with `siding launch`" in (
+        r.stderr), r.stderr
+
+
+def launch_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["launch"]
+
+
+def launch_options() -> list[argparse.Action]:
+    return [a for a in launch_parser()._actions
+            if a.option_strings and a.help != argparse.SUPPRESS and a.dest != "help"]
+
+
+def test_every_option_of_launch_is_described_and_in_the_readme(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # argparse wraps at the terminal's width
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    for action in launch_options():
+        flag = action.option_strings[0]
+        assert action.help, f"{flag} has no help"
+        assert f"| `{flag}" in readme or f"`, `{flag}" in readme, f"{flag} is not in the README"
+    text = launch_parser().format_help()
+    assert "(default: 1024)" in text and "(default: tcp://127.0.0.1:5555)" in text

@@ -221,8 +221,9 @@ def test_no_reply_within_the_timeout_raises_and_aborts(serve):
     server = serve(lambda msg: [])
     with Client(server.endpoint, timeout=0.2) as c, pytest.raises(RequestError) as e:
         c.generate("x", request_id="t1")
-    assert e.value.code == ErrorCode.INTERNAL
-    assert e.value.message == f"no reply from {server.endpoint} within 0.2s"
+    assert e.value.code == ErrorCode.TIMEOUT
+    assert e.value.message == (f"no reply from {server.endpoint} within 0.2s (the client's "
+                               "timeout; the request was aborted)")
     assert isinstance(server.next(), Generate)
     assert server.next() == Abort("t1")
 
@@ -233,7 +234,7 @@ def test_keepalives_do_not_extend_the_timeout(serve):
         start = time.monotonic()
         c.generate("x")
     assert time.monotonic() - start < 0.7
-    assert e.value.code == ErrorCode.INTERNAL
+    assert e.value.code == ErrorCode.TIMEOUT
 
 
 def test_a_malformed_reply_fails_only_the_waiting_call(serve):
@@ -324,7 +325,8 @@ def test_async_error_and_timeout(serve):
     bad, silent = asyncio.run(main())
     assert (bad.code, bad.message) == ("unsupported", "n > 1 needs temperature > 0")
     assert (silent.code, silent.message, silent.request_id) == (
-        "internal", f"no reply from {server.endpoint} within 0.2s", "quiet"
+        "timeout", f"no reply from {server.endpoint} within 0.2s (the client's timeout; the "
+        "request was aborted)", "quiet"
     )
     sent = [server.next() for _ in range(3)]
     assert sent.count(Abort("quiet")) == 1
@@ -353,6 +355,7 @@ def test_a_silent_server_fails_the_wait_at_once_not_at_its_timeout(serve):
             c.generate("x", request_id="lost")
     assert time.monotonic() - t0 < 5
     assert e.value.code == "unavailable" and "nothing heard" in e.value.message
+    assert "is a cluster running? Start one with `siding launch`" in e.value.message
     assert e.value.request_id == "lost"
 
 

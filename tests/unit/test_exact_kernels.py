@@ -10,10 +10,11 @@ from exactness.invariance import (
     counts_where_row_differs,
     positions_where_row_differs,
     prompt_bits,
+    prompt_kv_bits,
     split_chunks,
 )
 
-from worker.attention import paged_attention
+from worker.attention import choose_attention
 from worker.exact import apply_exact
 from worker.kernels import exact_cpu
 from worker.loaders import resolve
@@ -116,13 +117,21 @@ def test_attention_matches_the_dense_reference():
 
 def test_default_attention_does_differ_between_a_chunk_and_single_rows():
     seqs = paged(0)
-    assert chunks_that_differ_from_rows(paged_attention, seqs, 0, [range(110, 150)]) != []
+    default = choose_attention(False, "cpu", 64)
+    assert chunks_that_differ_from_rows(default, seqs, 0, [range(110, 150)]) != []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_exact_stage_gives_a_prompt_the_same_bits_in_one_chunk_or_any_chunks(dtype):
     chunkings = [[1] * 40, [3, 17, 1, 19], [33, 7]]
     assert prompt_bits(True, chunkings, "cpu", dtype) == [True, True, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_prefill_leaves_the_same_kv_bits_in_its_pages_however_it_was_chunked(dtype):
+    """What an exact-mode prefix cache hit relies on, checked on the KV itself."""
+    chunkings = [[1] * 40, [3, 17, 1, 19], [16, 16, 8], [33, 7]]
+    assert prompt_kv_bits(True, chunkings, "cpu", dtype) == [True] * 4
 
 
 def test_default_stage_does_differ_row_by_row():

@@ -70,7 +70,8 @@ def test_default_model_facts(smollm2):
         tie_embeddings=True,
         rope_scaling=None,
     )
-    assert (smollm2.args.q_dim, smollm2.args.kv_dim, smollm2.args.n_rep) == (576, 192, 3)
+    assert (smollm2.args.q_dim, smollm2.args.kv_dim) == (576, 192)
+    assert smollm2.args.n_heads // smollm2.args.n_kv_heads == 3
     info = smollm2.tokenizer
     assert (info.eos_ids, info.add_bos, info.bos_id) == ([2], False, 1)
     assert info.chat_template.startswith("{% for message in messages %}")

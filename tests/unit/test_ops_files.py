@@ -39,6 +39,8 @@ CONTRACT = {
     "siding_generation_tokens": "counter", "siding_requests": "counter",
     "siding_request_errors": "counter", "siding_step_seconds": "histogram",
     "siding_workers_up": "gauge",
+    "siding_prefix_cache_queries": "counter", "siding_prefix_cache_hits": "counter",
+    "siding_prefix_cache_pages": "gauge", "siding_prefix_cache_evictions": "counter",
 }
 WORKER_CONTRACT = {
     "siding_transfer_bytes": "counter", "siding_transfer_copies": "counter",

@@ -7,16 +7,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from unit.test_staging_ring import pools
+from helpers.ring import pools
 
-from protocol.messages import PageCopy, PageMove, Sampling, SeqPlan, Step
+from protocol.messages import PageCopy, PageMove, Sampling, SeqPlan, Step, WorkerConfig
+from worker.kv.park_store import ParkStore
 from worker.loaders.synthetic import SyntheticSource
-from worker.overlap import OVERLAP_ENV, Ahead, continues, follow_on, overlap_enabled
-from worker.park_store import ParkStore
+from worker.overlap import Ahead, continues, follow_on, overlap_enabled
 from worker.runner import ModelRunner
 from worker.sampler import SamplingParams
 
-PAGE = 4  # the staging-ring tests' page size, whose pools these tests borrow
+PAGE = 4  # the page size of helpers.ring's pools, which these tests borrow
 
 
 def runner(sampling: dict[int, SamplingParams] | None = None) -> SimpleNamespace:
@@ -78,16 +78,12 @@ def test_only_the_plan_it_guessed_uses_a_step_enqueued_ahead(change):
     assert ahead.matches(plan) == (not change)
 
 
-def test_overlap_is_on_by_default_for_cuda_and_refuses_a_bad_setting(monkeypatch):
-    monkeypatch.delenv(OVERLAP_ENV, raising=False)
-    assert overlap_enabled("cuda:0") and not overlap_enabled("cpu")
-    monkeypatch.setenv(OVERLAP_ENV, "1")
-    assert overlap_enabled("cpu")
-    monkeypatch.setenv(OVERLAP_ENV, "0")
-    assert not overlap_enabled("cuda:0")
-    monkeypatch.setenv(OVERLAP_ENV, "yes")
-    with pytest.raises(ValueError, match=OVERLAP_ENV):
-        overlap_enabled("cpu")
+def test_overlap_is_on_by_default_for_cuda_and_refuses_a_bad_setting():
+    assert overlap_enabled("auto", "cuda:0") and not overlap_enabled("auto", "cpu")
+    assert overlap_enabled("on", "cpu") and not overlap_enabled("off", "cuda:0")
+    with pytest.raises(ValueError, match="--overlap must be one of auto, on, off"):
+        WorkerConfig(overlap="yes").validate()
+
 
 
 def plans_after_a_guess() -> list[Step]:

@@ -3,8 +3,9 @@ import random
 import torch
 import torch.nn.functional as F
 
+from worker.attention import choose_attention
 from worker.batch import build_meta
-from worker.kv_pool import KVPool
+from worker.kv.device_pool import KVPool
 
 
 def dense_reference(q, k, v, n_ctx):
@@ -41,7 +42,7 @@ def test_paged_attention_matches_dense_for_any_page_placement():
     lens = [13, 5, 21]
     seqs = {i: (torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, D))
             for i, n in enumerate(lens)}
-    pool = KVPool(1, 32, page, KVH, D, torch.float32, "cpu")
+    pool = KVPool(1, 32, page, KVH, D, torch.float32, "cpu", choose_attention(False, "cpu", D))
     free = list(range(32))
     rng.shuffle(free)
     tables = {i: [free.pop() for _ in range(-(-n // page))] for i, n in enumerate(lens)}
@@ -58,8 +59,9 @@ def test_moving_pages_does_not_change_the_result():
     torch.manual_seed(1)
     H, KVH, D, page, n = 4, 2, 8, 4, 11
     seq = {0: (torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, D))}
-    a = run_sequences(KVPool(1, 8, page, KVH, D, torch.float32, "cpu"), seq, {0: [0, 1, 2]},
-                      [[(0, 0, n)]])
-    b = run_sequences(KVPool(1, 8, page, KVH, D, torch.float32, "cpu"), seq, {0: [7, 3, 5]},
-                      [[(0, 0, n)]])
+    attention = choose_attention(False, "cpu", D)
+    a = run_sequences(KVPool(1, 8, page, KVH, D, torch.float32, "cpu", attention), seq,
+                      {0: [0, 1, 2]}, [[(0, 0, n)]])
+    b = run_sequences(KVPool(1, 8, page, KVH, D, torch.float32, "cpu", attention), seq,
+                      {0: [7, 3, 5]}, [[(0, 0, n)]])
     assert torch.equal(a[0], b[0])

@@ -113,7 +113,8 @@ def answered(endpoint: str, keys_dir: Path | None, timeout: float = 5.0) -> bool
             return c.status() == {"secure": True}
         except RequestError as e:
             assert (e.code, e.message) == (
-                ErrorCode.INTERNAL, f"no reply from {endpoint} within {timeout:g}s"
+                ErrorCode.TIMEOUT, f"no reply from {endpoint} within {timeout:g}s (the client's "
+                "timeout; the request was aborted)"
             )
             return False
 

@@ -44,6 +44,7 @@ from protocol.messages import (
     StepResult,
     Submit,
     Usage,
+    WorkerConfig,
 )
 from protocol.wire import VERSION, decode, encode
 
@@ -61,10 +62,10 @@ SAMPLES = [
     StatusReply({"workers": [{"rank": 0, "free": 1.5}], "ok": True, "none": None}),
     Error("too_long", "does not fit", "r1"),
     Error("invalid_request", "bad", None),
-    Register(rank=1, device="cuda:1", pid=42, hostname="h", data_endpoint="tcp://h:1",
-             memory_bytes=1 << 34),
-    Assign(rank=0, n_workers=2, model="smollm2-135m", dtype="bfloat16", page_size=16,
-           kv_pages=1024, next_endpoint="tcp://h:2", layer_start=0, layer_end=15),
+    Register(rank=1, device="cuda:1", pid=42, hostname="h", data_endpoint="tcp://h:1"),
+    Assign(rank=0, n_workers=2, config=WorkerConfig(model="smollm2-135m", dtype="bfloat16",
+                                                    kv="host", overlap="off", park_pages=7),
+           next_endpoint="tcp://h:2", layer_start=0, layer_end=15),
     Ready(rank=0, layer_start=0, layer_end=30, kv_bytes_per_page=4096,
           model=ModelInfo("m", 30, 49152, 8192, "{}", "{{ x }}", None, False, [2])),
     Heartbeat(rank=3),

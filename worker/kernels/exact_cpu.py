@@ -67,7 +67,7 @@ def check_row_invariance(weight: torch.Tensor) -> None:
 
 
 def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
-    """Same contract as `worker.attention.paged_attention`.
+    """`worker.attention.PagedAttention.attend`'s contract.
 
     Decode rows (one per sequence) of a step share one launch; a sequence with several rows
     gets launches of its own, in blocks of at most MAX_ROWS rows. Neither choice changes bits.

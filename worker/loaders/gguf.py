@@ -20,6 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import Tensor
 
+from worker.loaders import progress
 from worker.model import ModelArgs, StageModel, build_stage, check_layer_range
 from worker.tokenizer import TokenizerInfo, gguf_tokenizer
 
@@ -199,7 +200,7 @@ class GGUFSource:
         t: dict[str, Tensor] = {}
         if layer_start == 0:
             t["embed.weight"] = self._tensor("token_embd.weight", dtype, device)
-        for i in range(layer_start, layer_end):
+        for i in progress.layers(layer_start, layer_end):
             p, g = f"layers.{i - layer_start}.", f"blk.{i}."
             t[p + "attention_norm.weight"] = self._tensor(g + "attn_norm.weight", dtype, device)
             t[p + "attention.wqkv.weight"] = self._qkv(i, "weight", dtype, device)

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from worker.loaders import progress
 from worker.model import ModelArgs, StageModel, build_stage, check_layer_range
 from worker.rope import LLAMA3_KEYS
 from worker.tokenizer import TokenizerInfo, hf_tokenizer
@@ -105,7 +106,7 @@ class SafetensorsSource:
         parts: dict[str, list[str]] = {}
         if layer_start == 0:
             parts["embed.weight"] = ["model.embed_tokens.weight"]
-        for i in range(layer_start, layer_end):
+        for i in progress.layers(layer_start, layer_end):
             p, h = f"layers.{i - layer_start}.", f"model.layers.{i}."
             parts[p + "attention_norm.weight"] = [h + "input_layernorm.weight"]
             parts[p + "attention.wqkv.weight"] = [h + f"self_attn.{x}_proj.weight" for x in "qkv"]

@@ -12,6 +12,7 @@ import hashlib
 import torch
 from torch import Tensor
 
+from worker.loaders import progress
 from worker.model import ModelArgs, StageModel, build_stage, check_layer_range
 from worker.tokenizer import TokenizerInfo, byte_level_tokenizer
 
@@ -92,7 +93,7 @@ class SyntheticSource:
         t = {}
         if layer_start == 0:
             t["embed.weight"] = self._tensor("embed.weight", (a.vocab_size, a.dim), dtype, device)
-        for i in range(layer_start, layer_end):
+        for i in progress.layers(layer_start, layer_end):
             for key, shape in shapes.items():
                 t[f"layers.{i - layer_start}.{key}"] = self._tensor(
                     f"layers.{i}.{key}", shape, dtype, device

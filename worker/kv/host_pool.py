@@ -1,15 +1,15 @@
 """Host-resident KV: the worker's pages in host memory (pinned when the device is CUDA),
 attended through the staging ring.
 
-`HostKVPool` has `KVPool`'s interface (k, v, page_size, n_pages, bytes_per_page, layers), so
-the runner and the park store work on it unchanged. Its layout, [n_layers, n_pages, 2, page,
+`HostKVPool` is a `Pool` (worker/kv/pool.py) as `KVPool` is, so the runner, the park store
+and the decode graphs work on it unchanged. Its layout, [n_layers, n_pages, 2, page,
 KVH, D], keeps one layer's K and V of a run of pages in one block: a run is one copy.
 
 A step:
 - `begin_step` packs the batch's pages into the window and renumbers the step's page tables and
-  write pages into the slot, once (never per layer); when the batch continues the last step's
-  on the same pages, the ring's first layers were already delivered during the last step
-  (primed);
+  write pages into the slot, once (never per layer): the meta it returns, which the layers
+  attend with; when the batch continues the last step's on the same pages, the ring's first
+  layers were already delivered during the last step (primed);
 - each layer's `attend` takes its slot from the ring, writes the step's new rows into it,
   attends over it with the same paged attention as the device pool, and releases it;
 - `end_step` copies every layer's new rows back in one device-to-host copy on the transport's
@@ -38,9 +38,10 @@ from typing import NamedTuple
 
 import torch
 
-from .batch import BatchMeta, int64s, to_device
-from .kv_pool import attention_for
-from .metrics import WorkerMetrics
+from ..attention import PagedAttention
+from ..batch import BatchMeta, int64s, to_device
+from ..metrics import WorkerMetrics
+from .rows import write_rows
 from .staging_ring import BRIDGE_BYTES, StagingRing, device_free_bytes, keeps_places, pack_places
 from .transport import Transport, make_transport
 
@@ -83,7 +84,7 @@ def _unregister(ptr: int) -> None:
 class HostKVPool:
     def __init__(
         self, n_layers: int, n_pages: int, page_size: int, n_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device | str, exact: bool = False, depth: int = 1,
+        dtype: torch.dtype, device: torch.device | str, attention: PagedAttention, depth: int = 1,
         ring_budget_mib: int = 0, metrics: WorkerMetrics | None = None,
         transport: Transport | None = None, bridge_bytes: int = BRIDGE_BYTES,
         slot_layers: int | None = None,
@@ -98,7 +99,7 @@ class HostKVPool:
         self.page_size = page_size
         self.n_pages = n_pages
         self.scale = head_dim**-0.5
-        self.attention = attention_for(exact)
+        self.attention = attention
         self.transport = transport if transport is not None else make_transport(self.device)
         free = partial(device_free_bytes, self.device) if self.device.type == "cuda" else None
         self.ring = StagingRing(self.kv, self.transport, self.device, depth,
@@ -106,7 +107,6 @@ class HostKVPool:
         self.bridge = bridge_bytes // self.ring.page_bytes
         self.layers = [HostLayerView(self, i) for i in range(n_layers)]
         self.meta: BatchMeta | None = None  # the step's metadata, renumbered into the slot
-        self.step: BatchMeta | None = None  # the step's metadata as the runner built it
         self.rows: list[torch.Tensor] = []  # k, v of each layer so far: [T, KVH, D] each
         self._last: LastStep | None = None
         # this step's carried rows (rows, slot pages, offsets), or None
@@ -131,10 +131,8 @@ class HostKVPool:
     def bytes_per_page(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 
-    # What a captured decode step needs (worker/cuda_graphs.py's GraphPool): the ring buffer by
-    # address, each layer's slot as a page base, the ring's events between pieces, and the
-    # carried rows.
-    hooks = True
+    # What a captured decode step needs: the ring buffer by address, each layer's slot as a page
+    # base, the ring's events between pieces, and the carried rows.
     carries = True
 
     @property
@@ -147,9 +145,6 @@ class HostKVPool:
 
     def spare_page(self) -> int:
         return self.ring.spare_page
-
-    def step_tables(self) -> list[torch.Tensor]:
-        return self.meta.page_tables
 
     def page_bases(self) -> list[int]:
         return self.ring.page_bases()
@@ -175,25 +170,18 @@ class HostKVPool:
         self.kv.transpose(2, 3)[where] = host.transpose(1, 2)  # K and V at once
         self._writeback = None
 
-    def begin_step(self, meta: BatchMeta, tables: dict[int, list[int]]) -> None:
+    def begin_step(self, meta: BatchMeta, seq_ids: list[int]) -> BatchMeta:
         if self._open:
             self.settle()
-        p = self.page_size
-        used = [t[: -(-c // p)] for t, c in zip(tables.values(), meta.context_lens)]
-        pages, offsets = [], []
-        for b, (table, ctx) in enumerate(zip(used, meta.context_lens)):
-            for pos in range(ctx - (meta.query_starts[b + 1] - meta.query_starts[b]), ctx):
-                pages.append(table[pos // p])
-                offsets.append(pos % p)
+        used, pages = meta.used_pages, meta.row_pages
         if self._layout is None or self._layout[0] != (used, pages):
             self._layout = ((used, pages), self._pack(used, pages))
         runs, slot_tables, slot_writes = self._layout[1]
         self.meta = replace(meta, page_tables=slot_tables, write_pages=slot_writes)
-        self.step = meta
-        self._write = (pages, offsets)
+        self._write = (pages, meta.row_offsets)
         self.rows = []
         self._open = True
-        self._batch = (tuple(tables), used, meta.context_lens)
+        self._batch = (tuple(seq_ids), used, meta.context_lens)
         reuse = self._continues(meta)
         self._prev = None  # until this step completes
         last = self._last
@@ -204,6 +192,7 @@ class HostKVPool:
             self._land()
         self.ring.begin_step(runs, reuse and self.carried is not None,
                              prime_next=meta.decode_only)
+        return self.meta
 
     def _pack(self, used: list[list[int]], pages: list[int]) -> tuple:
         """The window's runs, and the step's tables and write pages renumbered into the slot
@@ -246,7 +235,7 @@ class HostKVPool:
         self._open = False
         # rows stays referenced until the next end_step too: the next step's layers read it
         self._last = LastStep(rows, self.meta.write_pages, self.meta.write_offsets,
-                              self.ring.runs, self.step.decode_only)
+                              self.ring.runs, self.meta.decode_only)
         self.carried = None
         self._prev = self._batch
         self.ring.prime()
@@ -264,7 +253,7 @@ class HostKVPool:
 
 
 class HostLayerView:
-    """The LayerKV of one layer of a HostKVPool."""
+    """The LayerKV of one layer of a HostKVPool: its slot, this step's rows, then attend."""
 
     def __init__(self, pool: HostKVPool, layer: int):
         self.pool = pool
@@ -274,18 +263,16 @@ class HostLayerView:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta
     ) -> torch.Tensor:
         pool = self.pool
-        assert meta is pool.step, "attend outside the step begun with begin_step"
-        sm = pool.meta
+        assert meta is pool.meta, "attend with the meta begin_step returned"
         slot = self.enter()
         k_slot, v_slot = slot[:, 0], slot[:, 1]
-        k, v = k.to(k_slot.dtype), v.to(v_slot.dtype)
+        k, v = k.to(k_slot.dtype), v.to(v_slot.dtype)  # the write-back's rows too
+        carried = None
         if pool.carried is not None:
             rows, pages, offsets = pool.carried
-            k_slot[pages, offsets] = rows[self.layer, 0]
-            v_slot[pages, offsets] = rows[self.layer, 1]
-        k_slot[sm.write_pages, sm.write_offsets] = k
-        v_slot[sm.write_pages, sm.write_offsets] = v
-        out = pool.attention(q, k_slot, v_slot, sm, pool.scale)
+            carried = (rows[self.layer], pages, offsets)
+        write_rows(k_slot, v_slot, k, v, meta.write_pages, meta.write_offsets, carried)
+        out = pool.attention(q, k_slot, v_slot, meta, pool.scale)
         self.leave(k, v)
         return out
 

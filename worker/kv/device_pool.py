@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from .attention import paged_attention
-from .batch import BatchMeta
-from .exact import exact_paged_attention
-
-
-def attention_for(exact: bool):
-    """The paged attention a pool attends with; every pool, device or host, picks it here."""
-    return exact_paged_attention if exact else paged_attention
+from ..attention import PagedAttention
+from ..batch import BatchMeta
+from .rows import write_rows
 
 
 class KVPool:
+    """A `Pool` (worker/kv/pool.py) whose pages live on the device."""
+
     def __init__(
         self, n_layers: int, n_pages: int, page_size: int, n_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device | str, exact: bool = False,
+        dtype: torch.dtype, device: torch.device | str, attention: PagedAttention,
     ):
         shape = (n_layers, n_pages + 1, page_size, n_kv_heads, head_dim)
         self.k_buf = torch.zeros(shape, dtype=dtype, device=device)
@@ -31,39 +28,34 @@ class KVPool:
         self.page_size = page_size
         self.n_pages = n_pages
         self.scale = head_dim**-0.5
-        self.attention = attention_for(exact)
+        self.attention = attention
         self.layers = [LayerView(self, i) for i in range(n_layers)]
-        self.meta: BatchMeta | None = None  # the step's, between begin_step and end_step
         self._bases = [0] * n_layers
 
     @property
     def bytes_per_page(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 
-    # The runner's step hooks (worker/host_kv.py's pool needs them); device pages need nothing.
+    # The runner's step hooks; device pages need nothing.
     def settle(self) -> None:
-        """Before the host touches the pool's pages (park, restore, copies)."""
+        pass
 
-    def begin_step(self, meta: BatchMeta, tables: dict[int, list[int]]) -> None:
-        """Before the step's forward pass; tables: sequence id -> its page ids, logical order,
-        in the batch's order."""
-        self.meta = meta
+    def begin_step(self, meta: BatchMeta, seq_ids: list[int]) -> BatchMeta:
+        return meta
 
     def end_step(self) -> None:
-        """After the step's forward pass is enqueued."""
+        pass
 
-    # What a captured decode step needs (worker/cuda_graphs.py's GraphPool).
-    hooks = False  # its layers need nothing between pieces: a step is one graph
-    carries = False  # its pages are current: a step writes no rows but its own
+    # What a captured decode step needs: a step is one graph, and writes no rows but its own.
+    piece_layers = 0
+    carries = False
+    carried = None
 
     def graph_key(self) -> int:
         return 0  # the pages are never replaced
 
     def spare_page(self) -> int:
         return self.n_pages
-
-    def step_tables(self) -> list[torch.Tensor]:
-        return self.meta.page_tables
 
     def page_bases(self) -> list[int]:
         return self._bases
@@ -79,10 +71,9 @@ class LayerView:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta
     ) -> torch.Tensor:
-        k_pool, v_pool = self.buffers()
-        k_pool[meta.write_pages, meta.write_offsets] = k.to(k_pool.dtype)
-        v_pool[meta.write_pages, meta.write_offsets] = v.to(v_pool.dtype)
-        return self.pool.attention(q, k_pool, v_pool, meta, self.pool.scale)
+        k_pages, v_pages = self.buffers()
+        write_rows(k_pages, v_pages, k, v, meta.write_pages, meta.write_offsets)
+        return self.pool.attention(q, k_pages, v_pages, meta, self.pool.scale)
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pool.k_buf[self.layer], self.pool.v_buf[self.layer]

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .metrics import DECLINE_REASONS, TRANSFER_PATHS, WorkerMetrics
+from ..metrics import DECLINE_REASONS, TRANSFER_PATHS, WorkerMetrics
 from .transport import Transport
 
 HEADROOM_BYTES = 512 << 20  # device memory a ring must leave free for everything else

@@ -3,13 +3,14 @@ import torch
 
 from protocol.errors import ProtocolError
 from protocol.messages import PageMove, SeqPlan, Step
-from worker.kv_pool import KVPool
-from worker.park_store import ParkStore
+from worker.attention import choose_attention
+from worker.kv.device_pool import KVPool
+from worker.kv.park_store import ParkStore
 from worker.runner import ModelRunner, SequenceFault
 
 
 def filled_pool() -> KVPool:
-    pool = KVPool(3, 10, 4, 2, 8, torch.float32, "cpu")
+    pool = KVPool(3, 10, 4, 2, 8, torch.float32, "cpu", choose_attention(False, "cpu", 8))
     pool.k.copy_(torch.randn_like(pool.k))
     pool.v.copy_(torch.randn_like(pool.v))
     return pool

@@ -10,83 +10,28 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.ring import (
+    KVH,
+    LAYERS,
+    CheckedTransport,
+    D,
+    P,
+    assert_same_run,
+    pools,
+    random_schedule,
+    run_step,
+)
 
 from protocol.messages import PageCopy, PageMove, SeqPlan, Step
-from worker.batch import build_meta
-from worker.host_kv import HostKVPool
-from worker.kv_pool import KVPool
+from worker.attention import choose_attention
+from worker.kv.device_pool import KVPool
+from worker.kv.host_pool import HostKVPool
+from worker.kv.park_store import ParkStore
+from worker.kv.staging_ring import keeps_places, pack
 from worker.loaders.synthetic import SyntheticSource
-from worker.park_store import ParkStore
 from worker.runner import ModelRunner
-from worker.staging_ring import keeps_places, pack
-from worker.transport import CpuTransport
 
-H, KVH, D, P = 4, 2, 16, 4
-LAYERS = 5
-
-
-def pools(depth: int, exact: bool = False, delay_ms: float = 0.0, bridge: int | None = None,
-          n_pages: int = 64, shape: tuple[int, int, int, int] = (LAYERS, P, KVH, D),
-          budget_mib: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
-          transport=None, slot_layers: int | None = 1) -> tuple[KVPool, HostKVPool]:
-    """A device pool and a host pool of the same shape; the host one on the CPU transport with
-    `delay_ms` unless given another."""
-    layers, page, kvh, d = shape
-    extra = {} if bridge is None else {"bridge_bytes": bridge}
-    on_device = KVPool(layers, n_pages, page, kvh, d, dtype, device, exact=exact)
-    host = HostKVPool(layers, n_pages, page, kvh, d, dtype, device, exact=exact, depth=depth,
-                      ring_budget_mib=budget_mib, slot_layers=slot_layers,
-                      transport=transport or CpuTransport(delay_ms), **extra)
-    return on_device, host
-
-
-def run_step(pool, chunk, tables, seed: int, heads: int = H,
-             device: str = "cpu") -> list[torch.Tensor]:
-    """chunk: [(seq, start, n)]. Every layer attends random q, k, v (the same for every pool,
-    by `seed`); returns each layer's output."""
-    ids = [i for i, _, _ in chunk]
-    meta = build_meta([s for _, s, _ in chunk], [n for _, _, n in chunk],
-                      [tables[i] for i in ids], [True] * len(ids), pool.page_size, device)
-    g = torch.Generator().manual_seed(seed)
-    t, (kvh, d), dtype = len(meta.positions), pool.k.shape[-2:], pool.k.dtype
-    pool.begin_step(meta, {i: tables[i] for i in ids})
-    outs = []
-    for layer in pool.layers:
-        q, k, v = (torch.randn(t, h, d, generator=g).to(device, dtype) for h in (heads, kvh, kvh))
-        outs.append(layer.attend(q, k, v, meta))
-    pool.end_step()
-    return outs
-
-
-def random_schedule(rng: random.Random, n_pages: int, page: int = P):
-    """Sequences of random lengths on randomly placed pages: prefill in uneven chunks (several
-    sequences per step), then decode steps of all of them together."""
-    free = list(range(n_pages))
-    rng.shuffle(free)
-    lens = [rng.randint(3, 30) for _ in range(3)]
-    decode = 4
-    tables = {i: [free.pop() for _ in range(-(-(n + decode) // page))] for i, n in enumerate(lens)}
-    steps, done = [], [0] * len(lens)
-    while any(d < n for d, n in zip(done, lens)):
-        chunk = []
-        for i, n in enumerate(lens):
-            if done[i] < n:
-                m = min(n - done[i], rng.randint(1, 12))
-                chunk.append((i, done[i], m))
-                done[i] += m
-        steps.append(chunk)
-    for s in range(decode):
-        steps.append([(i, n + s, 1) for i, n in enumerate(lens)])
-    return tables, steps
-
-
-def assert_same_run(on_device, host, tables, steps, device: str = "cpu") -> None:
-    for seed, chunk in enumerate(steps):
-        a = run_step(on_device, chunk, tables, seed, device=device)
-        b = run_step(host, chunk, tables, seed, device=device)
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {seed}"
-    host.settle()
-    assert torch.equal(on_device.k.cpu(), host.k) and torch.equal(on_device.v.cpu(), host.v)
+ATTENTION = choose_attention(False, "cpu", D)
 
 
 def test_pack_makes_one_run_per_contiguous_range_and_bridges_small_gaps():
@@ -124,102 +69,15 @@ def test_a_missing_ready_wait_is_exposed_by_delayed_copies():
     assert not all(torch.equal(x, y) for a, b in outs for x, y in zip(a, b))
 
 
-class CheckedTransport(CpuTransport):
-    """Checks the ring's event protocol as it is issued. A slot goes filled -> read -> released
-    -> filled ...: a fill waits for the slot's release event and needs every read of the slot
-    released (a fill nobody read, a discarded prime, may be filled over); a read needs a fill;
-    while a step's own deliveries run, no more than `depth` fills are unread; a step's primes
-    for the next fill every slot. A fence (the slots moved: every release recorded again after
-    all the compute so far) releases every slot."""
-
-    def __init__(self, delay_ms: float = 0.0):
-        super().__init__(delay_ms)
-        self.ring = None
-        self.syncs = self.host_waits = 0
-        self.log: list[str] = []  # "wait" (compute side, for a slot) and "host" (host blocks)
-
-    def _slot(self, ev, kind: str) -> int | None:
-        events = getattr(self.ring, kind)
-        return next((s for s, e in enumerate(events) if e is ev), None)
-
-    def start(self, ring) -> None:
-        self.ring = ring
-        self.state = ["released"] * len(ring.release)
-        self.reads = 0
-        self.fences = 0
-        prime, fence, acquire = ring.prime, ring._fence, ring.acquire
-
-        def priming():
-            self.priming = True
-            prime()
-            self.priming = False
-
-        def fencing():
-            self.fencing = True
-            fence()
-            self.fencing = False
-            self.state = ["released"] * len(ring.release)
-            self.reads = 0  # the step's first read is a group's first again
-            self.fences += 1
-        def acquiring(layer):
-            if not ring.ahead:  # the compute side copies into the buffer, where the slots lie
-                self.state = ["read"] * len(ring.release)
-            return acquire(layer)
-        self.priming = self.fencing = False
-        ring.prime, ring._fence, ring.acquire = priming, fencing, acquiring
-
-    def copy(self, pairs, after=(), then=None):
-        (release,) = after
-        s = self._slot(release, "release")
-        assert s is not None, "every delivery waits for its slot's release"
-        assert self.state[s] in ("released", "filled"), f"slot {s} refilled while read"
-        assert then is self.ring.ready[s]
-        self.state[s] = "filled"
-        ahead = self.state.count("filled")
-        limit = self.ring.n_slots if self.priming or self.primed_unread() else self.ring.depth
-        assert ahead <= limit, f"{ahead} layers in flight, depth {self.ring.depth}"
-        super().copy(pairs, after, then)
-
-    def primed_unread(self) -> bool:
-        """Whether fills made by the last primes (used or discarded) may still be unread: until
-        a step's first n_slots layers are read, every slot has been filled again since."""
-        return self.reads % self.ring.n_groups < self.ring.n_slots
-
-    def wait(self, ev):
-        s = self._slot(ev, "ready")
-        assert s is not None, "the compute side waits only on ready events"
-        assert self.state[s] == "filled", f"slot {s} read without a fill"
-        self.state[s] = "read"
-        self.reads += 1
-        self.log.append("wait")
-        super().wait(ev)
-
-    def record(self, ev):
-        s = self._slot(ev, "release")
-        if s is not None and not self.fencing:
-            assert self.state[s] == "read", f"slot {s} released before it was read"
-            self.state[s] = "released"
-        super().record(ev)
-
-    def host_wait(self, ev):
-        self.host_waits += 1
-        self.log.append("host")
-        super().host_wait(ev)
-
-    def synchronize(self):
-        self.syncs += 1
-        super().synchronize()
-
-
 @pytest.mark.parametrize("slot_layers", [1, 2, 3])
 @pytest.mark.parametrize("depth", [1, 2, 4, 8])
 def test_slots_are_recycled_stream_to_stream_only_after_release(depth, slot_layers):
     """Also with slots of several layers: a group is delivered, waited for and released as one."""
     transport = CheckedTransport(delay_ms=0.5)
-    host = HostKVPool(LAYERS, 64, P, KVH, D, torch.float32, "cpu", depth=depth,
+    host = HostKVPool(LAYERS, 64, P, KVH, D, torch.float32, "cpu", ATTENTION, depth=depth,
                       transport=transport, bridge_bytes=0, slot_layers=slot_layers)
     transport.start(host.ring)
-    device = KVPool(LAYERS, 64, P, KVH, D, torch.float32, "cpu")
+    device = KVPool(LAYERS, 64, P, KVH, D, torch.float32, "cpu", ATTENTION)
     tables, steps = random_schedule(random.Random(depth), 64)
     assert_same_run(device, host, tables, steps)
     groups = -(-LAYERS // slot_layers)
@@ -238,10 +96,10 @@ def test_a_continuing_step_enqueues_every_layer_before_the_host_blocks(depth):
     next step's end_step, once its layers are all enqueued: it carries them into its slots
     meanwhile. A step that does not continue the last lands them before its first layer."""
     transport = CheckedTransport(delay_ms=0.5)
-    host = HostKVPool(LAYERS, 64, P, KVH, D, torch.float32, "cpu", depth=depth,
+    host = HostKVPool(LAYERS, 64, P, KVH, D, torch.float32, "cpu", ATTENTION, depth=depth,
                       transport=transport, bridge_bytes=0)
     transport.start(host.ring)
-    device = KVPool(LAYERS, 64, P, KVH, D, torch.float32, "cpu")
+    device = KVPool(LAYERS, 64, P, KVH, D, torch.float32, "cpu", ATTENTION)
     tables = {0: [3, 4, 5, 6], 1: [9, 10, 11]}
     # decode steps on the prefill's pages, then one without sequence 1
     steps = ([[(0, 0, 9), (1, 0, 5)]] + [[(0, 9 + i, 1), (1, 5 + i, 1)] for i in range(3)]
@@ -511,19 +369,21 @@ def test_a_process_exits_cleanly_while_primes_are_still_copying():
     interpreter tears down aborts the process (a worker would die with SIGABRT on shutdown)."""
     script = textwrap.dedent("""
         import torch
+        from worker.attention import choose_attention
         from worker.batch import build_meta
-        from worker.host_kv import HostKVPool
-        pool = HostKVPool(16, 300, 16, 8, 64, torch.bfloat16, "cpu", depth=2)
+        from worker.kv.host_pool import HostKVPool
+        pool = HostKVPool(16, 300, 16, 8, 64, torch.bfloat16, "cpu",
+                          choose_attention(False, "cpu", 64), depth=2)
         table, z = list(range(1, 200)), torch.zeros(1, 8, 64, dtype=torch.bfloat16)
         for pos in range(2048, 2052):  # decode steps: each ends by priming 4 large layers
             meta = build_meta([pos], [1], [table], [True], 16, "cpu")
-            pool.begin_step(meta, {1: table})
+            pool.begin_step(meta, [1])
             for layer in pool.layers:
                 layer.enter()
                 layer.leave(z, z)
             pool.end_step()
     """)
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     out = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

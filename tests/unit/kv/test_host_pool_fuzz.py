@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from unit.test_staging_ring import CheckedTransport, P, pools, run_step
+from helpers.ring import CheckedTransport, P, pools, run_step
 
 N_PAGES = 48
 

@@ -15,11 +15,11 @@ import torch
 
 from protocol.errors import ProtocolError
 
-from .kv_pool import KVPool
+from .pool import Pool
 
 
 class ParkStore:
-    def __init__(self, pool: KVPool, n_slots: int):
+    def __init__(self, pool: Pool, n_slots: int):
         self.pool = pool
         self.n_slots = n_slots
         shape = (n_slots, pool.k.shape[0], *pool.k.shape[2:])
@@ -29,7 +29,6 @@ class ParkStore:
         self.v = torch.empty(shape, dtype=pool.k.dtype, pin_memory=pin)
         self.records: dict[int, list[int]] = {}
         self.bytes_per_slot = pool.bytes_per_page
-        self.copies = 0
 
     def park(self, seq_id: int, pages: list[int], slots: list[int]) -> int:
         """Copy `pages` out to `slots`; returns bytes moved."""
@@ -66,7 +65,6 @@ class ParkStore:
 
     def _write(self, dst: torch.Tensor, slots: list[int], block: torch.Tensor) -> None:
         s0 = _run_start(slots)
-        self.copies += 1
         if s0 is not None:
             dst[s0:s0 + len(slots)].copy_(block, non_blocking=True)
         else:
@@ -74,7 +72,6 @@ class ParkStore:
 
     def _read(self, src: torch.Tensor, slots: list[int]) -> torch.Tensor:
         s0 = _run_start(slots)
-        self.copies += 1
         if s0 is not None:
             return src[s0:s0 + len(slots)]
         return src.index_select(0, torch.tensor(slots))

@@ -1,4 +1,5 @@
-"""Batch-invariant kernels for CUDA, in Triton: each row's bits depend on that row alone.
+"""Batch-invariant kernels for CUDA, in Triton: each row's bits depend on that row alone. Exact
+mode uses them all; default mode the paged attention, RMSNorm and the row writes.
 
 - `linear`: one tile configuration for every launch (BLOCK_M x BLOCK_N output tiles, the K loop
   in BLOCK_K steps), so a row meets the same instructions in the same order whatever the row
@@ -18,8 +19,8 @@
 - `write_rows`: a decode graph's new K and V rows into their pages, and a host pool's carried
   rows with them, in one launch (a copy: no arithmetic, so no bit to keep).
 
-Imported only when exact mode runs on CUDA (`worker/exact.py`), so CPU installs never need
-Triton.
+Imported on CUDA only, on first use (`worker.kernels.triton_kernels`), so CPU installs never
+need Triton.
 """
 
 from __future__ import annotations
@@ -256,7 +257,7 @@ def block_rows(q_heads: int, kv_heads: int) -> int:
 
 
 def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
-    """Same contract as `worker.attention.paged_attention`; q: [T, H, D], D a power of two."""
+    """`worker.attention.PagedAttention.attend`'s contract; q: [T, H, D], D a power of two."""
     t, h, d = q.shape
     q = q.contiguous()
     blocks, tables = _step_blocks(meta, block_rows(h, k_pool.shape[2]))

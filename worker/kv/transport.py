@@ -12,13 +12,12 @@ thread *is* the compute stream).
 `CudaTransport` is two dedicated CUDA streams and driver events (`worker/cuda_driver.py`).
 `CpuTransport` is two copy threads over FIFOs with events of their own, so the same ring logic
 runs in CI. Both take `delay_ms`, a fault injection that delays every copy on either side: with
-it a missing wait shows up as wrong bytes instead of staying hidden behind a fast copy.
-`make_transport` reads it from `SIDING_TRANSPORT_DELAY_MS`.
+it a missing wait shows up as wrong bytes instead of staying hidden behind a fast copy (the
+tests set it through `WorkerConfig.transport_delay_ms`, a hidden `--transport-delay-ms`).
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import random
 import threading
@@ -28,9 +27,8 @@ from typing import Any, Protocol
 
 import torch
 
-from . import cuda_driver as cuda
+from .. import cuda_driver as cuda
 
-DELAY_ENV = "SIDING_TRANSPORT_DELAY_MS"
 # Every wait has a deadline: a transfer that has not landed after this long is a bug, not load.
 WAIT_TIMEOUT_S = 120.0
 # torch.cuda._sleep spins for clock cycles; about 1.5-2 GHz on current parts, so a delay is
@@ -71,11 +69,9 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
-def make_transport(device: torch.device | str, delay_ms: float | None = None) -> Transport | None:
+def make_transport(device: torch.device | str, delay_ms: float = 0.0) -> Transport | None:
     """The transport for `device`, or None where there is none (the ring then declines)."""
     device = torch.device(device)
-    if delay_ms is None:
-        delay_ms = float(os.environ.get(DELAY_ENV) or 0)
     if device.type == "cuda":
         return CudaTransport(device, delay_ms)
     if device.type == "cpu":

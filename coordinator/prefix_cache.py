@@ -1,0 +1,101 @@
+"""Prefix caching by page content: a full page of KV is found again by what produced it.
+
+Every full page of a sequence is keyed by a hash chained from its parent page's key and the
+page's token ids; the chain starts from a salt of everything else that changes the KV's bits
+(the model, its dtype, exact mode, the page size). Since a page's key names its whole prefix,
+two sequences whose first k pages have equal keys have equal tokens there, and so the same K and
+V in them (exact mode: the same bits, however the prefill was chunked or batched).
+
+A new sequence takes the longest run of cached pages its prompt starts with, read-only and
+reference counted (as `n > 1` choices share a prompt), and prefills only the rest. It always
+computes its prompt's last token itself (its logits are needed), so the page holding that token
+is never taken; partly filled pages are never keyed. A cached page nobody holds waits idle in
+the allocator and is reused last, least recently used first (`PageAllocator.retain`); reusing
+it evicts its key. When the workers lose their KV (a restart), the cache forgets everything.
+
+Only the scheduler calls it; it moves no bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from .page_allocator import PageAllocator
+from .sequence import Sequence
+
+
+def chain_key(parent: bytes, tokens: list[int]) -> bytes:
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+class PrefixCache:
+    def __init__(self, allocator: PageAllocator, page_size: int, salt: str):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.root = hashlib.blake2b(f"{salt}|page {page_size}".encode(),
+                                    digest_size=16).digest()
+        self.by_key: dict[bytes, int] = {}  # key -> the page holding it
+        self.key_of: dict[int, bytes] = {}  # page -> its key
+        allocator.on_evict = self._evicted
+        self.queried = 0  # prompt tokens looked up
+        self.hit = 0  # and found
+
+    @property
+    def idle_pages(self) -> int:
+        """Cached pages no sequence holds."""
+        return len(self.allocator.idle)
+
+    def take(self, seq: Sequence, limit: int) -> None:
+        """Give a sequence that holds no page yet the cached pages its tokens start with, at most
+        `limit` positions' worth (whole pages), as its computed prefix."""
+        assert not seq.pages and seq.n_computed == 0
+        p = self.page_size
+        self.queried += len(seq.token_ids)
+        keys: list[bytes] = []
+        pages: list[int] = []
+        parent = self.root
+        for i in range(limit // p):
+            key = chain_key(parent, seq.token_ids[i * p:(i + 1) * p])
+            page = self.by_key.get(key)
+            if page is None:
+                break
+            keys.append(key)
+            pages.append(page)
+            parent = key
+        if not pages:
+            return
+        self.allocator.share(pages)
+        seq.pages, seq.page_keys, seq.n_computed = pages, keys, len(pages) * p
+        self.hit += seq.n_computed
+
+    def give_back(self, seq: Sequence) -> None:
+        """Undo `take` (and its count) for a sequence that could not be admitted after all."""
+        self.queried -= len(seq.token_ids)
+        self.hit -= seq.n_computed
+        self.allocator.free(seq.pages)
+        seq.pages, seq.page_keys, seq.n_computed = [], [], 0
+
+    def add(self, seq: Sequence) -> None:
+        """Key the sequence's pages that its computed positions have filled since last time."""
+        p = self.page_size
+        keys = seq.page_keys
+        for i in range(len(keys), seq.n_computed // p):
+            key = chain_key(keys[-1] if keys else self.root, seq.token_ids[i * p:(i + 1) * p])
+            keys.append(key)
+            page = seq.pages[i]
+            if key not in self.by_key and page not in self.key_of:
+                self.by_key[key] = page
+                self.key_of[page] = key
+                self.allocator.retain(page)
+
+    def clear(self) -> None:
+        """The workers' KV is gone: nothing is cached any more."""
+        self.by_key.clear()
+        self.key_of.clear()
+        self.allocator.release_all()
+
+    def _evicted(self, page: int) -> None:
+        key = self.key_of.pop(page, None)
+        if key is not None:
+            del self.by_key[key]

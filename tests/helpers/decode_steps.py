@@ -1,0 +1,92 @@
+"""Decode-graph runs for the tests: a tiny synthetic model's runner on a device or host pool
+(with or without graph pieces), a schedule of prompts, a mixed step and decode batches that pad
+by different amounts, and every step's hidden rows and tokens."""
+
+import torch
+
+from protocol.messages import SeqPlan, Step
+from worker.attention import choose_attention
+from worker.cuda_graphs import DecodeGraphs
+from worker.exact import apply_exact
+from worker.kv.device_pool import KVPool
+from worker.kv.host_pool import HostKVPool
+from worker.kv.park_store import ParkStore
+from worker.kv.transport import CpuTransport, CudaTransport
+from worker.loaders.synthetic import SyntheticSource
+from worker.runner import ModelRunner
+
+PAGE = 4
+PROMPTS = {1: 9, 2: 5, 3: 13, 4: 2, 5: 7}  # sequence id -> prompt length
+# decode batches: 5 rows pad to 8, 3 to 4 (rows past them stale from the 5-row step), 1, 4, 2,
+# then one batch twice (a host pool's second step takes its first layers primed)
+DECODES = [[1, 2, 3, 4, 5], [2, 4, 5], [3], [1, 2, 3, 4], [5, 1], [1, 2, 3, 4, 5],
+           [1, 2, 3, 4, 5]]
+
+
+def schedule(prompts: dict[int, int] = PROMPTS) -> list[Step]:
+    """Prompts of sequences 1-3, then (mixed) of 4 and 5 beside a decode row of 1, then DECODES;
+    pages interleaved across sequences, so no table is a run."""
+    pages = iter(range(pages_needed(prompts)))
+    n_pages = {i: -(-(n + len(DECODES) + 1) // PAGE) for i, n in prompts.items()}
+    tables = {i: [] for i in prompts}
+    for k in range(max(n_pages.values())):
+        for i in prompts:
+            if k < n_pages[i]:
+                tables[i].append(next(pages))
+    steps = [Step(step=0, seqs=[SeqPlan(id=i, start=0, n=prompts[i], pages_add=tables[i],
+                                        sample=True) for i in (1, 2, 3)]),
+             # a mixed step: one prompt beside decode rows runs eagerly
+             Step(step=1, seqs=[SeqPlan(id=4, start=0, n=prompts[4], pages_add=tables[4],
+                                        sample=True),
+                                SeqPlan(id=5, start=0, n=prompts[5], pages_add=tables[5],
+                                        sample=True),
+                                SeqPlan(id=1, start=prompts[1], n=1, sample=True)])]
+    pos = dict(prompts)
+    pos[1] += 1
+    for k, ids in enumerate(DECODES):
+        steps.append(Step(step=2 + k, seqs=[SeqPlan(id=i, start=pos[i], n=1, sample=True)
+                                             for i in ids]))
+        for i in ids:
+            pos[i] += 1
+    return steps
+
+
+def pages_needed(prompts: dict[int, int]) -> int:
+    return sum(-(-(n + len(DECODES) + 1) // PAGE) for n in prompts.values())
+
+
+def run(runner: ModelRunner, prompts: dict[int, int] = PROMPTS
+        ) -> list[tuple[torch.Tensor, list[int]]]:
+    """Hidden rows and sampled tokens of every step of `schedule(prompts)`."""
+    last = {i: 100 + i for i in prompts}
+    out = []
+    for plan in schedule(prompts):
+        plan.token_ids = [(last[s.id] + j) % 500 for s in plan.seqs for j in range(s.n)]
+        meta = runner.apply(plan)
+        hidden = runner.forward(plan, meta, None)
+        ids, tokens = runner.sample(plan, meta, hidden)
+        last.update(zip(ids, tokens))
+        out.append((hidden, tokens))
+    return out
+
+
+def runner(exact: bool, kv: str = "device", graphs: bool = True, device: str = "cpu",
+           dtype: torch.dtype = torch.float32, n_pages: int = 64, depth: int = 1,
+           slot_layers: int | None = 1) -> ModelRunner:
+    """On a CUDA device the pieces are captured graphs and the host pool's copies go on a
+    transfer stream; on the CPU the pieces run eagerly and copies go through the copy thread."""
+    source = SyntheticSource("tiny")
+    a = source.args
+    stage = source.load_stage(0, a.n_layers, dtype, device)
+    if exact:
+        apply_exact(stage, device)
+    shape = (a.n_layers, n_pages, PAGE, a.n_kv_heads, a.head_dim)
+    attention = choose_attention(exact, device, a.head_dim)
+    if kv == "host":
+        transport = CudaTransport(device, 0.5) if device != "cpu" else CpuTransport(0.5)
+        pool = HostKVPool(*shape, dtype, device, attention, depth=depth, transport=transport,
+                          slot_layers=slot_layers)
+    else:
+        pool = KVPool(*shape, dtype, device, attention)
+    pieces = DecodeGraphs(stage, pool, device, capture=device != "cpu") if graphs else None
+    return ModelRunner(stage, pool, ParkStore(pool, 4), device, pieces)

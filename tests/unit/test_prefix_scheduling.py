@@ -1,0 +1,159 @@
+"""The scheduler's prefix cache: full pages found again by content, taken read-only, never the
+page of a prompt's last token, kept idle after their sequences end and reused least recently
+used first, reclaimed before anyone is preempted, forgotten when the workers lose their KV."""
+
+from __future__ import annotations
+
+from coordinator.page_allocator import PageAllocator
+from coordinator.prefix_cache import PrefixCache, chain_key
+from coordinator.scheduler import Scheduler
+from coordinator.sequence import Request
+from protocol.messages import Submit
+
+PAGE = 4
+
+
+def scheduler(pages: int = 64, max_seqs: int = 8, max_tokens: int = 512,
+              park: int = 64) -> Scheduler:
+    pool = PageAllocator(pages)
+    return Scheduler(pool, PageAllocator(park), PAGE, max_seqs, max_tokens,
+                     prefix_cache=PrefixCache(pool, PAGE, "test-model|float32|exact=False"))
+
+
+def request(key: int, prompt: list[int], max_tokens: int = 2, n: int = 1) -> Request:
+    return Request(frontend=0, key=key,
+                   params=Submit(key=key, max_tokens=max_tokens, n=n, temperature=1.0 if n > 1
+                                 else 0.0), prompt_ids=list(prompt), arrival=float(key))
+
+
+def run_to_end(s: Scheduler) -> list[list[tuple[int, int, int]]]:
+    """Steps until nothing is left, each sampling token 5; every step's (seq, start, rows)."""
+    steps = []
+    for _ in range(1000):
+        if not s.has_work:
+            return steps
+        sched = s.next_step()
+        steps.append([(q.id, q.n_computed, n) for q, n in sched.batch])
+        ids = [q.id for q, n in sched.batch if q.n_computed + n == len(q.token_ids)]
+        s.update_from_output(sched, ids, [5] * len(ids))
+    raise AssertionError("the scheduler did not finish")
+
+
+PROMPT = list(range(100, 142))  # 42 tokens: 10 full pages and 2 tokens
+
+
+def test_a_repeated_prompt_takes_its_full_pages_and_computes_only_the_rest():
+    s = scheduler()
+    first = request(0, PROMPT)
+    s.add_request(first)
+    run_to_end(s)
+    cached = list(first.seqs[0].pages[:10])
+    again = request(1, PROMPT)
+    s.add_request(again)
+    steps = run_to_end(s)
+    seq = again.seqs[0]
+    assert steps[0] == [(seq.id, 40, 2)]  # started at position 40: two rows to prefill
+    assert seq.pages[:10] == cached
+    assert (s.cache.queried, s.cache.hit) == (84, 40)
+
+
+def test_a_partial_match_takes_the_pages_up_to_the_first_difference():
+    s = scheduler()
+    s.add_request(request(0, PROMPT))
+    run_to_end(s)
+    other = PROMPT[:22] + [7] * 20  # the same first 5 pages, then different
+    r = request(1, other)
+    s.add_request(r)
+    assert run_to_end(s)[0] == [(r.seqs[0].id, 20, 22)]
+
+
+def test_the_page_of_the_last_prompt_token_is_never_taken():
+    s = scheduler()
+    exact = PROMPT[:40]  # exactly 10 pages
+    s.add_request(request(0, exact))
+    run_to_end(s)
+    r = request(1, exact)
+    s.add_request(r)
+    assert run_to_end(s)[0] == [(r.seqs[0].id, 36, 4)]  # 9 pages taken: the 10th is computed
+
+
+def test_generated_tokens_are_cached_too_so_a_conversation_reuses_its_last_turn():
+    s = scheduler()
+    first = request(0, PROMPT, max_tokens=10)
+    s.add_request(first)
+    run_to_end(s)
+    turn = first.seqs[0].token_ids + [9, 9, 9]  # the reply, then the next user message
+    r = request(1, turn)
+    s.add_request(r)
+    assert run_to_end(s)[0][0][1] == 48  # 52 positions were computed before: 12 full pages
+
+
+def test_cached_pages_wait_idle_are_reused_last_and_evicted_least_recent_first():
+    s = scheduler(pages=24)
+    a, b = request(0, PROMPT[:21]), request(1, [1] * 21)  # 5 full pages each
+    s.add_request(a)
+    run_to_end(s)
+    s.add_request(b)
+    run_to_end(s)
+    pool = s.allocator
+    assert pool.n_used == 0 and s.cache.idle_pages == 10 and len(pool.free_pages) == 14
+    s.add_request(request(2, [2] * 70))  # 18 pages: the free 14, then 4 of a's (the older)
+    run_to_end(s)
+    assert pool.evictions == 4
+    s.add_request(request(3, [1] * 21))
+    assert run_to_end(s)[0][0][1] == 20  # b's pages are all still there
+    s.add_request(request(4, PROMPT[:21]))
+    assert run_to_end(s)[0][0][1] == 0  # a's first ones were evicted: its chain is broken
+
+
+def test_cached_pages_are_reclaimed_before_a_running_sequence_is_preempted():
+    s = scheduler(pages=12)
+    s.add_request(request(0, PROMPT[:33]))  # 8 full pages, cached once it ends
+    run_to_end(s)
+    s.add_request(request(1, [3] * 2, max_tokens=40))  # grows to 11 pages
+    run_to_end(s)
+    assert s.allocator.evictions > 0
+    assert not s.parked and all(q.preemptions == 0 for q in s.running)
+
+
+def test_n_choices_share_cached_pages_and_everything_drains():
+    s = scheduler()
+    s.add_request(request(0, PROMPT))
+    run_to_end(s)
+    r = request(1, PROMPT, n=3)
+    s.add_request(r)
+    steps = run_to_end(s)
+    assert steps[0] == [(r.seqs[0].id, 40, 1)]  # up to the fork, before the last token
+    pool = s.allocator
+    assert pool.n_used == 0 and all(x == 0 for x in pool.refs)
+
+
+def test_the_workers_losing_their_kv_empties_the_cache():
+    s = scheduler()
+    s.add_request(request(0, PROMPT))
+    run_to_end(s)
+    assert s.cache.by_key
+    s.recompute_all()
+    assert not s.cache.by_key and s.cache.idle_pages == 0 and s.allocator.n_free == 64
+    r = request(1, PROMPT)
+    s.add_request(r)
+    assert run_to_end(s)[0][0][1] == 0
+
+
+def test_keys_chain_the_whole_prefix_and_the_salt():
+    root = PrefixCache(PageAllocator(1), PAGE, "m|bfloat16|exact=True").root
+    other = PrefixCache(PageAllocator(1), PAGE, "m|float32|exact=True").root
+    page = [1, 2, 3, 4]
+    assert chain_key(root, page) != chain_key(other, page)  # another dtype: other bits
+    assert chain_key(chain_key(root, [9, 9, 9, 9]), page) != chain_key(chain_key(root, [8] * 4),
+                                                                       page)
+
+
+def test_a_cache_off_scheduler_computes_every_prompt_in_full():
+    pool = PageAllocator(64)
+    s = Scheduler(pool, PageAllocator(64), PAGE, 8, 512)
+    s.add_request(request(0, PROMPT))
+    run_to_end(s)
+    r = request(1, PROMPT)
+    s.add_request(r)
+    assert run_to_end(s)[0] == [(r.seqs[0].id, 0, 42)]
