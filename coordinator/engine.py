@@ -77,9 +77,11 @@ class EngineCore:
         self.worker_sock = self.ctx.socket(zmq.ROUTER)
         self.worker_sock.setsockopt(zmq.LINGER, 0)
         self.worker_sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self.auth = None
+        self.auth = self.rejections = None
         if link_keys:
             self.auth = security.secure_server(self.worker_sock, link_keys)
+            self.rejections = security.RejectionCounter(
+                self.worker_sock, self.metrics.rejected.labels(socket="worker").inc)
         self.worker_sock.bind(config.worker_listen)
         self.workers = WorkerGroup(self.worker_sock, config, link_keys)
         self.frontends = FrontendGroup(self.ctx, config)
@@ -98,7 +100,7 @@ class EngineCore:
         self.next_step = 0
         self.forward_seconds = [0.0, 0]  # the last stage's forward time: sum, steps
         self.draining = False
-        self.failed: str | None = None  # set when the cluster can no longer serve (remote)
+        self.failed: str | None = None  # why the workers are down, while they are
         self.outage_since: float | None = None  # when the workers went down, while they are
         self.retry_at: float | None = None  # when halted workers are started again
         self.model = None
@@ -131,12 +133,14 @@ class EngineCore:
         self.frontends.serve(Serve(model=self.model, kv_pages=w.kv_pages, page_size=w.page_size,
                                    exact=w.exact))
         self.metrics.workers_up.set(self.workers.n_up)
-        self.outage_since = None
+        self.outage_since = self.failed = None
         log.info("%d workers ready", self.workers.n_up)
 
     def close(self) -> None:
         self.frontends.stop()
         self.workers.stop_local()
+        if self.rejections is not None:
+            self.rejections.stop()
         if self.auth is not None:
             self.auth.stop()
         self.ctx.destroy(linger=0)
@@ -210,8 +214,8 @@ class EngineCore:
         if h is None:
             return
         if isinstance(msg, Submit):
-            closed = ((ErrorCode.OVERLOADED, "the server is shutting down") if self.draining
-                      else (ErrorCode.WORKER_FAILED, self.failed) if self.failed else None)
+            closed = (ErrorCode.OVERLOADED, "the server is shutting down") if self.draining \
+                else None
             self.requests.submit(h.index, msg, frames[0], self.model.vocab_size, closed)
         elif isinstance(msg, Cancel):
             self.requests.cancel(h.index, msg)
@@ -225,7 +229,7 @@ class EngineCore:
     # ---- scheduling and dispatch ------------------------------------------------------------
 
     def _dispatch(self) -> None:
-        if self.failed or not self.workers.ready:
+        if not self.workers.ready:
             return
         while len(self.inflight) < max(1, len(self.workers.handles)):
             sched = self.scheduler.next_step()
@@ -259,8 +263,10 @@ class EngineCore:
             return
         handle = self.workers.note(identity, msg)
         if handle is None:
-            if isinstance(msg, Register):
-                log.warning("a worker registered after start-up (rank %d); ignored", msg.rank)
+            if isinstance(msg, Register):  # it registers again every few seconds meanwhile
+                log.debug("a worker registered while every rank is up (rank %d)", msg.rank)
+            else:  # a worker this group lost, or one of a coordinator before this one
+                self.workers.reset(identity, "this coordinator does not count on you")
             return
         if isinstance(msg, StepResult):
             self._on_result(msg)
@@ -300,8 +306,6 @@ class EngineCore:
         for h in self.frontends.dead():
             self.requests.drop_frontend(h.index)
             self.frontends.restart(h)
-        if self.failed:
-            return
         if self.outage_since is not None:
             self._fail_overdue(now)
         try:
@@ -321,28 +325,25 @@ class EngineCore:
                 return
             ranks = ", ".join(str(h.rank) for h in dead) or f"(step {stuck[0]} stuck)"
             self._restart_workers(now, f"worker {ranks} stopped")
-        except StartupError as e:
-            if self.config.spawn_workers:  # local workers: try again, however often it takes
-                self._restart_workers(now, str(e), at_least=1.0)
-                return
-            self.failed = f"{e}; the cluster cannot serve"
-            log.error(self.failed)
-            self.inflight.clear()
-            self.requests.fail_all(ErrorCode.WORKER_FAILED, self.failed)
+        except StartupError as e:  # try again, however often it takes
+            self._restart_workers(now, str(e), at_least=1.0)
 
     def _restart_workers(self, now: float, reason: str, at_least: float = 0.0) -> None:
-        """Restart the workers, at once or after a backoff; every sequence recomputes."""
-        delay = max(at_least, self.workers.note_restart(now, reason))
+        """Restart the workers (local ones: new processes; remote ones: every worker registers
+        again, a lost one once its supervisor restarts it), at once or after a backoff; every
+        sequence recomputes."""
+        delay = max(at_least, self.workers.note_restart(now))
         log.error("%s; restarting the workers%s, sequences will recompute", reason,
                   f" in {delay:.0f} s" if delay else "")
         self.outage_since = self.outage_since or now
+        self.failed = f"{reason}; waiting for the workers"
         self.inflight.clear()
         self.metrics.preemptions.labels(action="recompute").inc(self.scheduler.recompute_all())
         if delay:
-            self.workers.halt()
+            self.workers.halt(reason)
             self.retry_at = now + delay
         else:
-            self.workers.restart()
+            self.workers.restart(reason)
 
     def _fail_overdue(self, now: float) -> None:
         """While the workers are down, a request fails once it has waited --worker-wait

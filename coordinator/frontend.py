@@ -15,6 +15,7 @@ frontend, and `launch --frontends N` runs several so text work spreads over core
 from __future__ import annotations
 
 import argparse
+import ctypes
 import errno
 import gc
 import logging
@@ -60,6 +61,23 @@ HTTP_ENDPOINT = "inproc://http"  # where this process's HTTP API reaches it as a
 KEEPALIVE_SECONDS = 1.0  # a request the client has not heard of for this long gets an empty chunk
 HEARTBEAT_SECONDS = 2.0  # to the core, whose deadline for a frontend is 10 s
 CLIENT_HWM = 100_000  # queued replies per client before it counts as not reading
+TRIM_SECONDS = 5.0  # how often freed heap memory is handed back to the system
+
+
+def give_back_memory() -> None:
+    """Return freed heap pages to the system (glibc's malloc_trim; nothing elsewhere). A client's
+    16 MiB message becomes strings and lists of that size, freed once handled; without this the
+    process keeps its high-water mark of them (measured: 37 MB to 282 MB after 10,000 fuzzed
+    messages, and back to its start with it)."""
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+try:
+    _libc = ctypes.CDLL("libc.so.6")
+    _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+except (OSError, AttributeError):  # not glibc
+    _libc = None
 
 
 class Frontend:
@@ -72,7 +90,7 @@ class Frontend:
         self.curve_keys = curve_keys
         self.parent = os.getppid() if exit_with_parent else None
         self.ctx = zmq.Context()
-        self.auth = None
+        self.auth = self.rejections = None
         self.core = self.ctx.socket(zmq.DEALER)
         self.core.setsockopt(zmq.LINGER, 0)
         self.core.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -88,6 +106,9 @@ class Frontend:
         self.last_to_core = 0.0
         self.errors: Counter[str] = Counter()  # refused here, for the core's metrics
         self.dropped = 0
+        # client connections refused by CURVE: counted by the monitor thread alone, reported
+        # (as the difference) by the loop alone, so that neither loses the other's update
+        self.rejected = self.rejected_reported = 0
 
     # ---- start and loop ---------------------------------------------------------------------
 
@@ -122,6 +143,7 @@ class Frontend:
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if self.curve_keys:
             self.auth = security.secure_server(s, self.curve_keys)
+            self.rejections = security.RejectionCounter(s, self._rejected)
         s.bind(endpoint)
         return s
 
@@ -130,7 +152,7 @@ class Frontend:
         poller.register(self.core, zmq.POLLIN)
         poller.register(self.clients, zmq.POLLIN)
         poller.register(self.prompts.ready, zmq.POLLIN)
-        last_beat = last_check = 0.0
+        last_beat = last_check = last_trim = 0.0
         while True:
             events = dict(poller.poll(round(KEEPALIVE_SECONDS * 1000 / 2)))
             if self.core in events and self._drain_core():
@@ -147,6 +169,9 @@ class Frontend:
                     self._to_core(Heartbeat(rank=self.index))
                 self._report()
                 self._check_parent()
+            if now - last_trim >= TRIM_SECONDS:
+                last_trim = now
+                give_back_memory()
             if now - last_check >= KEEPALIVE_SECONDS / 2:
                 last_check = now
                 self._keepalive(now)
@@ -156,6 +181,8 @@ class Frontend:
             self.http.stop()
         if self.prompts is not None:
             self.prompts.close()
+        if self.rejections is not None:
+            self.rejections.stop()
         if self.auth is not None:
             self.auth.stop()
         self.ctx.destroy(linger=500)  # what is queued for clients (errors at a stop) goes out
@@ -241,9 +268,15 @@ class Frontend:
         self.requests.pop(out.key, None)
         self.by_client.pop((out.client, out.msg.request_id), None)
 
+    def _rejected(self) -> None:
+        self.rejected += 1
+
     def _report(self) -> None:
-        if self.errors or self.dropped:
-            self._to_core(Report(errors=dict(self.errors), dropped=self.dropped))
+        rejected = self.rejected - self.rejected_reported
+        if self.errors or self.dropped or rejected:
+            self.rejected_reported += rejected
+            self._to_core(Report(errors=dict(self.errors), dropped=self.dropped,
+                                 rejected=rejected))
             self.errors.clear()
             self.dropped = 0
 

@@ -53,6 +53,9 @@ class CoordinatorMetrics:
         self.workers_up = Gauge("siding_workers_up", "Workers alive and ready", registry=r)
         self.dropped_messages = Counter("siding_dropped_messages", "Malformed messages dropped",
                                         ["socket"], registry=r)
+        self.rejected = Counter("siding_rejected_connections",
+                                "Peers refused by CURVE authentication, by socket", ["socket"],
+                                registry=r)
         for action in ("park", "recompute"):
             self.preemptions.labels(action=action)
         for direction in ("out", "in"):
@@ -63,6 +66,8 @@ class CoordinatorMetrics:
             self.request_errors.labels(code=code.value)
         for socket in ("client", "frontend", "worker"):
             self.dropped_messages.labels(socket=socket)
+        for socket in ("client", "worker"):
+            self.rejected.labels(socket=socket)
 
     def watch_prefix_cache(self, cache) -> None:
         """Export the prefix cache's figures, read from it at each scrape."""

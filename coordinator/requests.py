@@ -90,6 +90,8 @@ class Requests:
                 self.metrics.request_errors.labels(code=code).inc(count)
         if msg.dropped:
             self.metrics.dropped_messages.labels(socket="client").inc(msg.dropped)
+        if msg.rejected:
+            self.metrics.rejected.labels(socket="client").inc(msg.rejected)
 
     def _abort(self, req: Request) -> None:
         """End every choice of `req` before its time and forget it (not counted as finished)."""

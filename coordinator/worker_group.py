@@ -11,7 +11,16 @@ from dataclasses import dataclass
 
 import zmq
 
-from protocol.messages import Assign, Heartbeat, ModelInfo, Ready, Register, Shutdown, StepError
+from protocol.messages import (
+    Assign,
+    Heartbeat,
+    ModelInfo,
+    Ready,
+    Register,
+    Reset,
+    Shutdown,
+    StepError,
+)
 from protocol.wire import encode
 
 from .config import CoordinatorConfig, threads_per_worker
@@ -90,27 +99,37 @@ class WorkerGroup:
         self.ready = False
         self.deadline = time.monotonic() + self.config.startup_timeout
 
-    def note_restart(self, now: float, reason: str) -> float:
+    def note_restart(self, now: float) -> float:
         """Count a restart; returns how long to wait before it: nothing for the first
-        MAX_RESTARTS in RESTART_WINDOW, then 2, 4, 8, ... seconds up to MAX_BACKOFF. Raises
-        StartupError(reason) when the group cannot restart (remote workers)."""
+        MAX_RESTARTS in RESTART_WINDOW, then 2, 4, 8, ... seconds up to MAX_BACKOFF (remote
+        workers: nothing; they come back when they come back)."""
         if not self.config.spawn_workers:
-            raise StartupError(reason)
+            return 0.0
         self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW] + [now]
         beyond = len(self.restarts) - MAX_RESTARTS
         return 0.0 if beyond <= 0 else min(MAX_BACKOFF, 2.0 ** beyond)
 
-    def halt(self) -> None:
-        """Stop the local processes and forget the handshake: not ready until `begin`."""
-        self.stop_local(timeout=2.0)
+    def halt(self, reason: str = "") -> None:
+        """Forget the handshake, not ready until `begin`: local processes are stopped, remote
+        workers told to register again (RESET)."""
+        if self.config.spawn_workers:
+            self.stop_local(timeout=2.0)
+        else:
+            for h in [*self.handles, *self.pending]:
+                self.reset(h.identity, reason)
         self.processes = []
         self.pending = []
         self.handles = []
         self.ready = False
 
-    def restart(self) -> None:
-        self.halt()
+    def restart(self, reason: str = "") -> None:
+        self.halt(reason)
         self.begin()
+
+    def reset(self, identity: bytes, reason: str) -> None:
+        """Tell a remote worker to start over and register (local ones are restarted)."""
+        if not self.config.spawn_workers:
+            self.sock.send_multipart([identity, *encode(Reset(reason=reason))])
 
     def on_startup_message(self, identity: bytes, msg) -> None:
         """Feed the handshake one message; `ready` turns true when every worker is READY."""
@@ -121,9 +140,15 @@ class WorkerGroup:
                 self.pending.append(WorkerHandle(identity, msg))
                 if len(self.pending) == c.workers:
                     self._assign(self.pending)
+            elif not isinstance(msg, Register):  # one assigned before this handshake began
+                self.reset(identity, "the coordinator is regrouping its workers")
             return
         h = self._by_identity(identity)
         if h is None:
+            loading = isinstance(msg, Heartbeat) and any(
+                x.rank == msg.rank and x.reg.pid == msg.pid for x in self.handles)
+            if not loading and not isinstance(msg, Register):
+                self.reset(identity, "the coordinator is regrouping its workers")
             return
         if isinstance(msg, StepError):
             raise StartupError(f"worker {h.rank} failed to start: {msg.message}")
@@ -196,8 +221,10 @@ class WorkerGroup:
 
     def note(self, identity: bytes, msg) -> WorkerHandle | None:
         """Record liveness for a message from a worker; returns its handle if known."""
-        if isinstance(msg, Heartbeat):
+        if isinstance(msg, Heartbeat):  # from the worker's heartbeat socket: known by rank and pid
             h = self.handles[msg.rank] if 0 <= msg.rank < len(self.handles) else None
+            if h is not None and msg.pid and msg.pid != h.reg.pid:
+                h = None  # a worker this group replaced, cut off for a while
         else:
             h = self._by_identity(identity)
         if h is not None:

@@ -130,7 +130,7 @@ class AsyncClient(ClientBase):
         try:
             await self._socket.send_multipart(encode(msg))
         except zmq.Again:
-            raise self._no_reply(getattr(msg, "request_id", None)) from None
+            raise self._unsent(getattr(msg, "request_id", None)) from None
 
     async def _next(self, key: str | None) -> Any:
         pending = self._replies.queue(key)

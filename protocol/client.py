@@ -210,8 +210,11 @@ class ClientBase:
         socket.linger = 0
         try:
             socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            if timeout is not None:
-                socket.sndtimeo = max(1, round(timeout * 1000))  # ms
+            # A send blocks while no peer takes it (nothing listening, or a refused CURVE
+            # handshake): no longer than the server is given to say anything at all.
+            limits = [t for t in (timeout, silence_timeout) if t is not None]
+            if limits:
+                socket.sndtimeo = max(1, round(min(limits) * 1000))  # ms
             if curve_keys_dir is not None or curve_server_key is not None:
                 secure_client(socket, curve_keys_dir, curve_server_key)
             socket.connect(endpoint)
@@ -228,6 +231,13 @@ class ClientBase:
             ErrorCode.TIMEOUT, f"no reply from {self.endpoint} within {self.timeout:g}s (the "
             "client's timeout; the request was aborted)", key
         )
+
+    def _unsent(self, key: str | None) -> RequestError:
+        """A send that no peer took within the socket's send timeout."""
+        if self.silence_timeout is not None and (
+                self.timeout is None or self.silence_timeout <= self.timeout):
+            return self._silent(key)
+        return self._no_reply(key)
 
     def _silent(self, key: str | None) -> RequestError:
         if not self._last_heard:
@@ -354,7 +364,7 @@ class Client(ClientBase):
         try:
             self._socket.send_multipart(encode(msg))
         except zmq.Again:
-            raise self._no_reply(getattr(msg, "request_id", None)) from None
+            raise self._unsent(getattr(msg, "request_id", None)) from None
 
     def _next(self, key: str | None) -> Any:
         pending = self._replies.queue(key)

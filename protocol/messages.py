@@ -36,6 +36,7 @@ class MsgType(IntEnum):
     STEP_RESULT = 0x26
     STEP_ERROR = 0x27
     SHUTDOWN = 0x28
+    RESET = 0x29  # coordinator -> a worker it does not (or no longer) count on: register again
     # worker -> next worker
     ACTIVATIONS = 0x31
     # frontend <-> engine core (a private ipc socket; token ids only, no text)
@@ -283,6 +284,7 @@ class Ready:
 class Heartbeat:
     TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
     rank: int = _field(lo=0)
+    pid: int = _field(0, lo=0)  # a worker's, matched with its REGISTER (0: a frontend's)
     # a worker's forward passes so far (every stage's time shows in `status`; the last stage's
     # also comes with each STEP_RESULT)
     forward_seconds: float = _field(0.0, lo=0.0)
@@ -362,6 +364,15 @@ class StepError:
 @dataclass(slots=True)
 class Shutdown:
     TYPE: ClassVar[MsgType] = MsgType.SHUTDOWN
+
+
+@dataclass(slots=True)
+class Reset:
+    """The coordinator is regrouping its workers (one was lost, or it does not know this one:
+    it restarted, or this worker was cut off): drop everything and register again."""
+
+    TYPE: ClassVar[MsgType] = MsgType.RESET
+    reason: str = _field("", max_len=512)
 
 
 @dataclass(slots=True)
@@ -474,14 +485,15 @@ class Report:
     TYPE: ClassVar[MsgType] = MsgType.REPORT
     errors: dict = field(default_factory=dict)  # error code -> requests refused
     dropped: int = _field(0, lo=0)  # malformed client messages
+    rejected: int = _field(0, lo=0)  # client connections refused by CURVE authentication
 
 
 MESSAGES: dict[MsgType, type] = {
     cls.TYPE: cls
     for cls in (
         Generate, Abort, Status, Chunk, Result, StatusReply, Error, Register, Assign, Ready,
-        Heartbeat, Step, StepResult, StepError, Shutdown, Activations, FrontendHello, Serve,
-        Listening, Submit, Cancel, Outputs, Report,
+        Heartbeat, Step, StepResult, StepError, Shutdown, Reset, Activations, FrontendHello,
+        Serve, Listening, Submit, Cancel, Outputs, Report,
     )
 }
 # raw frames each type carries

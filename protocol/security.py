@@ -80,27 +80,42 @@ def generate_keys(keys_dir: str | os.PathLike) -> Path:
     return path
 
 
-def count_rejections(socket: zmq.Socket, on_reject) -> threading.Thread:
-    """Call `on_reject()` for every peer of `socket` whose handshake failed (no keys, wrong
-    keys, not speaking CURVE), from a thread reading the socket's monitor."""
-    events = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-              | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-    monitor = socket.get_monitor_socket(events)
+class RejectionCounter:
+    """Calls `on_reject()` for every peer of a socket whose handshake failed (no keys, wrong
+    keys, not speaking CURVE), from a thread reading the socket's monitor. `stop()` it before
+    the context is destroyed: libzmq aborts when a socket closes under a thread using it."""
 
-    def read() -> None:
+    EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+              | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+    def __init__(self, socket: zmq.Socket, on_reject):
+        self.socket = socket
+        self.monitor = socket.get_monitor_socket(self.EVENTS | zmq.EVENT_MONITOR_STOPPED)
+        self.on_reject = on_reject
+        self.thread = threading.Thread(target=self._read, name="auth-monitor", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
         while True:
             try:
-                event = recv_monitor_message(monitor)
+                event = recv_monitor_message(self.monitor)
             except zmq.ZMQError:  # the context is going away
                 return
-            if event["event"] & events:
-                on_reject()
+            if event["event"] & self.EVENTS:
+                self.on_reject()
             elif event["event"] == zmq.EVENT_MONITOR_STOPPED:
                 return
 
-    thread = threading.Thread(target=read, name="auth-monitor", daemon=True)
-    thread.start()
-    return thread
+    def stop(self) -> None:
+        """End the thread (the monitor reports itself stopped) and close its socket."""
+        try:
+            self.socket.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.thread.join(2.0)
+        if not self.thread.is_alive():
+            self.monitor.close(linger=0)
+
 
 
 def secure_server(socket: zmq.Socket, keys_dir: str | os.PathLike) -> ThreadAuthenticator:

@@ -4,6 +4,12 @@ step order (`executor.py`) as their inputs arrive.
 Sockets: a DEALER to the coordinator for control and results, a PULL bound for the previous
 stage's activations, a PUSH to the next stage. Heartbeats go on a socket of their own from a
 thread, so a long model load or a long step never looks like a dead worker.
+
+A worker outlives its coordinator: ZeroMQ reconnects (backing off up to RECONNECT_MAX_MS), a
+worker still waiting for its ASSIGN registers again every REGISTER_SECONDS, and a coordinator
+that does not count on this worker (it restarted, or lost this worker for a while and regrouped
+without it) answers its heartbeats with RESET, on which the worker starts over: it executes
+itself again, registers and loads what it is assigned.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from protocol.messages import (
     Heartbeat,
     Ready,
     Register,
+    Reset,
     Shutdown,
     Step,
     StepError,
@@ -42,6 +49,9 @@ from .metrics import WorkerMetrics
 log = logging.getLogger("siding.worker")
 
 HEARTBEAT_SECONDS = 0.5  # the coordinator's deadline is 2 s; each beat wakes it
+REGISTER_SECONDS = 5.0  # REGISTER again this often until assigned (the coordinator may restart)
+RECONNECT_MAX_MS = 5000  # ZeroMQ's reconnect backoff to a coordinator that went away
+NEXT_STAGE_SECONDS = 2.0  # a next stage that takes no activations this long is lost
 
 
 class Worker:
@@ -61,7 +71,7 @@ class Worker:
         self.metrics: WorkerMetrics | None = None
         self.rejected = 0  # peers refused before the metrics exist
         if curve_keys:
-            security.count_rejections(self.pull, self._rejected)
+            security.RejectionCounter(self.pull, self._rejected)  # for the process's life
         port = self.pull.bind_to_random_port(f"tcp://{advertise}")
         self.data_endpoint = f"tcp://{advertise}:{port}"
         self.push: zmq.Socket | None = None
@@ -74,6 +84,7 @@ class Worker:
         self.first = False  # the first stage: no activations come in (set by _load)
         self.dtype: torch.dtype | None = None
         self.executor: StepExecutor | None = None
+        self.reset_reason: str | None = None  # a RESET the heartbeat thread received
 
     def _rejected(self) -> None:
         log.warning("refused a peer of the activation socket: it lacks the cluster's keys")
@@ -86,6 +97,7 @@ class Worker:
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
         if self.curve_keys:
             security.secure_client(s, self.curve_keys)
         s.connect(self.coordinator)
@@ -94,10 +106,6 @@ class Worker:
     # ---- start-up ---------------------------------------------------------------------------
 
     def run(self) -> None:
-        self.ctl.send_multipart(encode(Register(
-            rank=self.requested_rank, device=self.device, pid=os.getpid(),
-            hostname=socket.gethostname(), data_endpoint=self.data_endpoint,
-        )))
         assign = self._wait_assign()
         self.rank = assign.rank
         threading.Thread(target=self._heartbeat, daemon=True).start()
@@ -113,7 +121,14 @@ class Worker:
         self._serve()
 
     def _wait_assign(self) -> Assign:
+        registered = 0.0
         while not self.stop.is_set():
+            if time.monotonic() - registered >= REGISTER_SECONDS:
+                registered = time.monotonic()
+                self.ctl.send_multipart(encode(Register(
+                    rank=self.requested_rank, device=self.device, pid=os.getpid(),
+                    hostname=socket.gethostname(), data_endpoint=self.data_endpoint,
+                )))
             if self.ctl.poll(500):
                 msg = self._recv(self.ctl)
                 if isinstance(msg, Assign):
@@ -122,6 +137,18 @@ class Worker:
                     raise SystemExit(0)
             self._check_parent()
         raise SystemExit(0)
+
+    def _start_over(self, reason: str) -> None:
+        """RESET: run this worker afresh (same command line), which registers again. A process
+        image of its own rather than state unwound by hand: the pool, the graphs, the ring's
+        streams and every socket start clean. Nothing is torn down first (ZeroMQ's context
+        aborts when destroyed under its monitor and heartbeat threads): the exec closes every
+        descriptor, ZeroMQ opens them close-on-exec."""
+        log.warning("worker %d: the coordinator regroups (%s); registering again", self.rank,
+                    reason or "no reason given")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "worker", *sys.argv[1:]])
 
     def _load(self, a: Assign) -> Ready:
         t0 = time.perf_counter()
@@ -141,6 +168,8 @@ class Worker:
         if a.next_endpoint:
             self.push = self.ctx.socket(zmq.PUSH)
             self.push.setsockopt(zmq.LINGER, 0)
+            self.push.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connected next stage
+            self.push.setsockopt(zmq.SNDTIMEO, round(NEXT_STAGE_SECONDS * 1000))
             if self.curve_keys:
                 security.secure_client(self.push, self.curve_keys)
             self.push.connect(a.next_endpoint)
@@ -162,11 +191,15 @@ class Worker:
         poller.register(self.ctl, zmq.POLLIN)
         poller.register(self.pull, zmq.POLLIN)
         while not self.stop.is_set():
+            if self.reset_reason is not None:
+                self._start_over(self.reset_reason)
             events = dict(poller.poll(200))
             if self.ctl in events:
                 msg = self._recv(self.ctl)
                 if isinstance(msg, Step):
                     self.plans.append(msg)
+                elif isinstance(msg, Reset):
+                    self._start_over(msg.reason)
                 elif isinstance(msg, Shutdown):
                     return
             if self.pull in events:
@@ -200,7 +233,14 @@ class Worker:
         self.last_result = time.monotonic()  # any message is a sign of life
 
     def _to_next(self, header: Activations, frames: list) -> None:
-        self.push.send_multipart(encode(header, frames), copy=False)
+        """Hand the step on; a next stage that takes nothing for NEXT_STAGE_SECONDS (it died,
+        or its host is cut off) loses the step rather than this worker its loop: the
+        coordinator regroups the workers then, and this one must read its RESET."""
+        try:
+            self.push.send_multipart(encode(header, frames), copy=False)  # SNDTIMEO bounds it
+        except zmq.Again:
+            log.warning("worker %d: the next stage takes nothing; step %d dropped", self.rank,
+                        header.step)
 
     def _recv(self, sock: zmq.Socket):
         try:
@@ -215,11 +255,19 @@ class Worker:
         message wakes the coordinator's loop."""
         sock = self._dealer()
         try:
-            while not self.stop.wait(HEARTBEAT_SECONDS):
+            while not self.stop.is_set():
+                if sock.poll(round(HEARTBEAT_SECONDS * 1000)):
+                    # a coordinator that does not know this worker answers its beats: RESET
+                    # (the control socket, idle meanwhile, is not known to it)
+                    msg = self._recv(sock)
+                    if isinstance(msg, Reset):
+                        self.reset_reason = msg.reason or "no reason given"
+                    continue
                 if time.monotonic() - self.last_result >= HEARTBEAT_SECONDS:
                     ex = self.executor
-                    beat = Heartbeat(rank=self.rank) if ex is None else Heartbeat(
-                        rank=self.rank, forward_seconds=ex.forward_seconds, steps=ex.steps)
+                    beat = Heartbeat(rank=self.rank, pid=os.getpid()) if ex is None else (
+                        Heartbeat(rank=self.rank, pid=os.getpid(),
+                                  forward_seconds=ex.forward_seconds, steps=ex.steps))
                     sock.send_multipart(encode(beat))
         finally:
             sock.close()

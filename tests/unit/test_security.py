@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -170,3 +171,17 @@ def test_sockets_of_one_context_each_accept_only_their_own_clients(tmp_path):
             shutil.copy(second / name, crossing / name)
         shutil.copy(first / "server.key", crossing / "server.key")
         assert not answered(first_endpoint, crossing, timeout=0.3)
+
+
+def test_a_refused_client_hears_unavailable_at_its_silence_timeout_not_its_timeout(tmp_path):
+    """After a refused handshake ZeroMQ may drop the connection, and a send then waits for a
+    peer that never comes: it gives up at the silence timeout, as a silent server does."""
+    keys = generate_keys(tmp_path / "keys")
+    with curve_server(keys) as endpoint:
+        for delay in (0.0, 1.5):  # sent at once, or once the refused connection is gone
+            with Client(endpoint, timeout=30, silence_timeout=1.0) as c:
+                time.sleep(delay)
+                t0 = time.monotonic()
+                with pytest.raises(RequestError) as e:
+                    c.status()
+                assert e.value.code == "unavailable" and time.monotonic() - t0 < 5

@@ -1,0 +1,120 @@
+"""Remote workers (started by `siding worker`, not by the coordinator) that die come back: the
+coordinator regroups when one registers again, every sequence recomputes and every request
+completes with exact mode's tokens unchanged; with the worker gone for longer than
+`--worker-wait`, waiting requests fail with `worker_failed`, and the cluster serves again once
+it returns."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from coordinator.local_cluster import LocalCluster
+from protocol import AsyncClient, Client, RequestError
+
+MODEL = ("--model", "synthetic:tiny", "--exact")
+PROMPTS = [[3 + (i * 29 + j * 7) % 200 for j in range(4 + 3 * i)] for i in range(6)]
+TOKENS = 160
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_worker(port: int, rank: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "worker", "--coordinator",
+                             f"tcp://127.0.0.1:{port}", "--rank", str(rank), "--threads", "1"],
+                            stderr=subprocess.DEVNULL)
+
+
+async def generate_all(endpoint: str) -> list[list[int]]:
+    async with AsyncClient(endpoint, timeout=300) as c:
+        results = await asyncio.gather(*(c.generate(prompt_token_ids=p, max_tokens=TOKENS,
+                                                    ignore_eos=True) for p in PROMPTS))
+    return [r.token_ids for r in results]
+
+
+@pytest.fixture(scope="module")
+def reference(launch) -> list[list[int]]:
+    c = launch(*MODEL, "--workers", "2")
+    out = asyncio.run(generate_all(c.endpoint))
+    c.stop()
+    return out
+
+
+def test_a_remote_worker_that_dies_and_comes_back_loses_no_request(reference):
+    port = free_port()
+    workers = [start_worker(port, 0), start_worker(port, 1)]
+    cluster = LocalCluster(*MODEL, "--workers", "2", "--worker-listen", f"tcp://127.0.0.1:{port}",
+                           "--worker-wait", "10", command="coordinator", timeout=300)
+    try:
+        cluster.start()
+        got: dict = {}
+        t = threading.Thread(target=lambda: got.update(
+            tokens=asyncio.run(generate_all(cluster.endpoint))))
+        t.start()
+        with Client(cluster.endpoint, timeout=60) as c:
+            while c.status()["tokens"]["generated"] < 100:  # mid-generation
+                time.sleep(0.05)
+        workers[1].send_signal(signal.SIGKILL)
+        workers[1].wait()
+        time.sleep(1.0)
+        workers[1] = start_worker(port, 1)  # what its supervisor would do
+        t.join(300)
+        assert got["tokens"] == reference  # exact mode: the same bytes despite the fault
+        with Client(cluster.endpoint, timeout=60) as c:
+            s = c.status()
+        assert s["workers_up"] == 2 and s["preemptions"]["recompute"] > 0 and not s["failed"]
+        assert workers[0].poll() is None  # the survivor started over in its own process
+
+        # gone for longer than --worker-wait: waiting requests fail, then it serves again
+        workers[1].send_signal(signal.SIGKILL)
+        workers[1].wait()
+        t0 = time.monotonic()
+        with Client(cluster.endpoint, timeout=120) as c, pytest.raises(RequestError) as e:
+            c.generate(prompt_token_ids=PROMPTS[0], max_tokens=8)
+        assert e.value.code == "worker_failed" and 8 < time.monotonic() - t0 < 40
+        workers[1] = start_worker(port, 1)
+        with Client(cluster.endpoint, timeout=120) as c:
+            r = c.generate(prompt_token_ids=PROMPTS[0], max_tokens=TOKENS, ignore_eos=True)
+        assert r.token_ids == reference[0]
+    finally:
+        cluster.stop()
+        for w in workers:
+            w.kill()
+            w.wait()
+
+
+def test_remote_workers_join_a_coordinator_that_restarts(reference):
+    port = free_port()
+    workers = [start_worker(port, 0), start_worker(port, 1)]
+    args = (*MODEL, "--workers", "2", "--worker-listen", f"tcp://127.0.0.1:{port}")
+    first = LocalCluster(*args, command="coordinator", timeout=300)
+    second = LocalCluster(*args, command="coordinator", timeout=300)
+    try:
+        first.start()
+        with Client(first.endpoint, timeout=60) as c:
+            assert c.generate(prompt_token_ids=PROMPTS[1], max_tokens=TOKENS,
+                              ignore_eos=True).token_ids == reference[1]
+        first.proc.send_signal(signal.SIGKILL)  # its workers neither see nor are told
+        first.proc.wait()
+        second.start()  # they reconnect, are told to start over, and register with it
+        with Client(second.endpoint, timeout=60) as c:
+            assert c.generate(prompt_token_ids=PROMPTS[2], max_tokens=TOKENS,
+                              ignore_eos=True).token_ids == reference[2]
+            assert c.status()["workers_up"] == 2
+    finally:
+        for cluster in (first, second):
+            cluster.stop()
+        for w in workers:
+            w.kill()
+            w.wait()
