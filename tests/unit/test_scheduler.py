@@ -184,12 +184,17 @@ def client_request(key: int, client: str, prompt_len: int = 2) -> Request:
                    prompt_ids=list(range(1, prompt_len + 1)), arrival=float(key), client=client)
 
 
-def run_step(s: Scheduler) -> list[Sequence]:
+def run_tokens(s: Scheduler) -> Schedule:
     """One step out and back, each sequence sampling token 5 (max_tokens 1 ends it)."""
     sched = s.next_step()
     seqs = [q for q, _ in sched.batch]
     s.update_from_output(sched, [q.id for q in seqs], [5] * len(seqs))
-    return seqs
+    return sched
+
+
+def run_step(s: Scheduler) -> list[Sequence]:
+    """`run_tokens`, and the sequences the step ran."""
+    return [q for q, _ in run_tokens(s).batch]
 
 
 def test_a_flood_from_one_client_does_not_queue_ahead_of_another():
@@ -217,13 +222,6 @@ def long_request(key: int, client: str, priority: int = 0) -> Request:
     return Request(frontend=0, key=key, params=Submit(key=key, max_tokens=1000,
                                                       priority=priority),
                    prompt_ids=[1, 2], arrival=float(key), client=client)
-
-
-def run_tokens(s: Scheduler) -> Schedule:
-    sched = s.next_step()
-    seqs = [q for q, _ in sched.batch]
-    s.update_from_output(sched, [q.id for q in seqs], [5] * len(seqs))
-    return sched
 
 
 def test_rows_held_by_one_clients_long_requests_give_way_to_another_client():
