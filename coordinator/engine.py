@@ -82,7 +82,12 @@ class EngineCore:
             self.auth = security.secure_server(self.worker_sock, link_keys)
             self.rejections = security.RejectionCounter(
                 self.worker_sock, self.metrics.rejected.labels(socket="worker").inc)
-        self.worker_sock.bind(config.worker_listen)
+        try:
+            self.worker_sock.bind(config.worker_listen)
+        except zmq.ZMQError as e:
+            reason = e.strerror.partition(" (addr=")[0]  # the endpoint is named already
+            raise OSError(f"--worker-listen {config.worker_listen}: cannot listen there: "
+                          f"{reason}") from None
         self.workers = WorkerGroup(self.worker_sock, config, link_keys)
         self.frontends = FrontendGroup(self.ctx, config)
         w = config.worker

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,24 @@ from .http import address
 log = logging.getLogger("siding.coordinator")
 
 OUTPUT_HWM = 1_000_000  # queued outputs per frontend; a frontend never stops reading for long
+
+
+def check_free(flag: str, endpoint: str) -> None:
+    """OSError naming `flag` if a tcp:// endpoint's port is taken (a bind as ZeroMQ's, with
+    SO_REUSEADDR, released at once; `*` ports and ipc:// are not checked)."""
+    transport, _, address = endpoint.partition("://")
+    host, _, port = address.rpartition(":")
+    if transport != "tcp" or port == "*":
+        return
+    host = host.removeprefix("[").removesuffix("]")
+    host = "0.0.0.0" if host == "*" else host
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, int(port)))
+        except OSError as e:
+            raise OSError(f"{flag} {endpoint}: cannot listen on {host}:{port}: "
+                          f"{e.strerror}") from None
 
 
 @dataclass(eq=False)
@@ -54,6 +73,8 @@ class FrontendGroup:
         self.sock.setsockopt(zmq.SNDHWM, OUTPUT_HWM)
         self.sock.setsockopt(zmq.RCVHWM, OUTPUT_HWM)
         self.sock.bind(f"ipc://{self.dir}/core")
+        for ep in config.client_endpoints():  # here, once, rather than in a frontend process
+            check_free("--listen", ep)
         self.handles = [FrontendHandle(i, ep) for i, ep in enumerate(config.client_endpoints())]
         # The OpenAI API's one listening socket: every frontend accepts on it.
         self.http = None if config.http is None else address.listen(config.http)

@@ -57,6 +57,20 @@ def test_a_metrics_port_in_use_is_named_with_its_address():
     assert f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("flag, other", [("--listen", "--worker-listen"),
+                                         ("--worker-listen", "--listen")])
+def test_a_zeromq_port_in_use_is_named_with_its_flag(flag, other):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        out = run_cli("launch", "--model", "synthetic:tiny", flag, endpoint, other,
+                      "tcp://127.0.0.1:*", "--metrics-port", "0")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"siding: error: {flag} {endpoint}: cannot listen" in out.stderr, out.stderr
+    assert "Address already in use" in out.stderr
+
+
 @pytest.mark.parametrize("command", [["status"], ["generate", "hi"], ["generate", "hi",
                                                                       "--stream"]])
 def test_a_cluster_that_is_not_running_is_answered_in_seconds_with_a_hint(command):
