@@ -34,7 +34,8 @@ def runtime() -> Any:
         from cupy_backends.cuda.api import runtime as rt
     except ImportError as e:
         raise CudaError("CUDA workers need CuPy for their stream operations: pip install "
-                        "cupy-cuda13x (or the cupy-cuda12x of a CUDA 12 system)") from e
+                        "'siding[gpu]' (cupy-cuda12x; or cupy-cuda13x on a CUDA 13 toolkit)"
+                        ) from e
     return rt
 
 
