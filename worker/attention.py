@@ -4,18 +4,20 @@ Pages are gathered by the sequence's page table, so the result depends only on t
 its positions, never on which physical pages hold them.
 
 A worker's paged attention is chosen once at load (`choose_attention`) and handed to its KV
-pool, whose layers and decode graphs attend through it. On CUDA the paged Triton kernel
-(worker/kernels/paged_triton.py) serves both modes, where Triton is installed and the head size
-is a power of two: it reads the pages in place, where a gather and
-`scaled_dot_product_attention` with grouped KV heads falls to PyTorch's math backend (about ten
-kernels and 0.3 ms of host time a layer, measured on an H200). Elsewhere default mode gathers
-for SDPA (below) and exact mode runs `exact_cpu`'s kernel.
+pool, whose layers and decode graphs attend through it. On CUDA, where Triton is installed and
+the head size is a power of two, Triton kernels read the pages in place: exact mode's
+batch-invariant kernel (worker/kernels/paged_triton.py), default mode's flash attention for
+prompts and split keys for decode steps (worker/kernels/flash_triton.py). A gather and
+`scaled_dot_product_attention` with grouped KV heads falls to PyTorch's math backend there
+(about ten kernels and 0.3 ms of host time a layer, measured on an H200). Elsewhere default
+mode gathers for SDPA (below) and exact mode runs `exact_cpu`'s kernel.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
 
 import torch
@@ -23,11 +25,14 @@ import torch.nn.functional as F
 
 from .batch import BatchMeta
 from .exact import exact_attention
-from .kernels import triton_kernels
+from .kernels import triton_kernels, triton_module
 
 # q: [T, H, D]; K and V pages: [n_pages, page, KVH, D] already holding this step's rows; the
 # step's meta; the softmax scale -> [T, H, D]
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, BatchMeta, float], torch.Tensor]
+# (rows, keys, query heads, KV heads) of a decode step -> keys per split and positions per
+# program of its split attention (`paged_triton.launch`'s split and block_p)
+DecodeShape = Callable[[int, int, int, int], tuple[int, int | None]]
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,9 @@ class PagedAttention:
     # The Triton kernels (worker/kernels/paged_triton.py) where the device runs them: what a
     # captured decode step launches for its attention and its row writes; None: no capture.
     kernels: ModuleType | None
+    # How a captured decode step of a (row bucket, keys bucket) splits its attention: what the
+    # eager attention does for a decode step of that bucket, so both give the same bits
+    decode_shape: DecodeShape | None = None
 
     def __call__(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                  meta: BatchMeta, scale: float) -> torch.Tensor:
@@ -52,10 +60,18 @@ def choose_attention(exact: bool, device: torch.device | str, head_dim: int) -> 
     if device.type == "cuda" and not head_dim & (head_dim - 1):
         kernels = triton_kernels()
     if exact:
-        attend = exact_attention(device)
-    else:
-        attend = gather_attention if kernels is None else kernels.paged_attention
-    return PagedAttention(attend, kernels)
+        return PagedAttention(exact_attention(device), kernels, _exact_decode_shape)
+    if kernels is None:
+        return PagedAttention(gather_attention, None)
+    flash = triton_module("flash_triton")
+    return PagedAttention(flash.paged_attention, kernels, partial(flash.decode_shape,
+                                                                  device=device))
+
+
+def _exact_decode_shape(rows: int, keys: int, q_heads: int, kv_heads: int
+                        ) -> tuple[int, int | None]:
+    """Exact mode's splits are a prompt's: a decode row gets the bits it gets in a chunk."""
+    return triton_kernels().SPLIT, None
 
 
 def gather(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:

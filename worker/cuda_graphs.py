@@ -18,8 +18,9 @@ What changes from step to step is data in fixed buffers (`StepBuffers`), written
 before the replay: positions, the flat page tables, the attention blocks, and each layer's page
 base (the slot a staging ring gives the layer this step; 0 for device pages). Rows are padded
 up to the bucket (a power of two); a padding row writes its K and V into the pool's spare page,
-attends to nothing and is dropped. The attention grid spans the bucket's splits (a power of two
-of 256-key splits); splits past a row's keys exit at once.
+attends to nothing and is dropped. The attention grid spans the bucket's keys (a power of two
+of 256-key splits), split as the pool's attention splits an eager decode step of the same bucket
+(`PagedAttention.decode_shape`); splits past a row's keys exit at once.
 
 With device KV the pieces are one graph: a step is one replay. With host KV the pool's hooks run
 between pieces: before layer l's piece waits for its slot to be delivered, after it records
@@ -52,7 +53,7 @@ import torch
 
 from . import cuda_driver
 from .batch import BatchMeta, device_ints
-from .kernels import ATTENTION_SPLIT
+from .kernels import ATTENTION_SPLIT, splits_bucket
 from .kv.pool import Pool
 from .kv.rows import write_rows
 from .model import StageModel
@@ -61,12 +62,6 @@ log = logging.getLogger("siding.worker")
 
 MAX_ROWS = 256  # decode steps with more rows run eagerly
 PREPARED_SPLITS = 8  # graphs built at load: contexts up to 8 splits (2048 keys)
-
-
-def splits_bucket(context: int) -> int:
-    """The power of two of attention splits that covers `context` keys."""
-    n = -(-context // ATTENTION_SPLIT)
-    return 1 << (n - 1).bit_length()
 
 
 class StepBuffers:
@@ -87,9 +82,13 @@ class StepBuffers:
         self.tables = torch.zeros(rows * self.pages_per_row, dtype=torch.int64, device=device)
         # captured: the Triton kernels, launched over these buffers; else the pool's eager paths
         self.kernels = pool.attention.kernels if capture else None
-        self.scratch = None
+        self.scratch = self.split = self.block_p = None
         if self.kernels is not None:
-            self.scratch = self.kernels.split_scratch(rows, a.n_heads, a.head_dim, splits, device)
+            keys = splits * ATTENTION_SPLIT
+            self.split, self.block_p = pool.attention.decode_shape(rows, keys, a.n_heads,
+                                                                   a.n_kv_heads)
+            self.scratch = self.kernels.split_scratch(rows, a.n_heads, a.head_dim,
+                                                      keys // self.split, device)
         self.meta: BatchMeta | None = None  # the step's (for eager pieces' attention)
         self._tables: list[torch.Tensor] | None = None  # the tables `self.tables` holds
         self.write_page = self.write_offset = None  # [layers, rows] and [rows], set by piece 0
@@ -177,7 +176,8 @@ class StepBuffers:
         if self.kernels is not None:
             out = torch.empty_like(q)
             self.kernels.launch(q, k_pages, v_pages, self.tables, base, self.blocks,
-                                self.attn_positions, self.scratch, out, pool.scale)
+                                self.attn_positions, self.scratch, out, pool.scale,
+                                self.split, self.block_p)
             return out
         # eager pieces: the pool's own attention over the real rows, through the same bases
         meta, n = self.meta, self.meta.n_seqs

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from worker.kernels import triton_kernels
+from worker.kernels import triton_module
 from worker.rope import LLAMA3_KEYS, Rope, apply_rope
 
 
@@ -68,6 +68,12 @@ class LayerKV(Protocol):
         ...
 
 
+def rowwise(x: Tensor):
+    """`worker/kernels/rowwise_triton.py` where x is on CUDA and Triton is installed: one launch
+    for each step below that eager PyTorch runs as several, with the same bits; else None."""
+    return triton_module("rowwise_triton") if x.is_cuda else None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -75,12 +81,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.is_cuda and (kernels := triton_kernels()) is not None:
-            return kernels.rms_norm(x, self.weight, self.eps)  # one launch instead of eight
+        if (kernels := rowwise(x)) is not None:
+            return kernels.rms_norm(x, self.weight, self.eps)
         # Normalised in float32 and cast back before the weight, as the HF reference does.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+    def after_add(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + y, this norm of it)."""
+        if (kernels := rowwise(x)) is not None:
+            return kernels.add_rms_norm(x, y, self.weight, self.eps)
+        h = x + y
+        return h, self(h)
 
 
 class Attention(nn.Module):
@@ -94,7 +107,10 @@ class Attention(nn.Module):
         """x: [T, dim] -> q: [T, H, D], k, v: [T, KVH, D], RoPE applied."""
         a = self.args
         t = x.shape[0]
-        q, k, v = self.wqkv(x).split([a.q_dim, a.kv_dim, a.kv_dim], dim=-1)
+        qkv = self.wqkv(x)
+        if (kernels := rowwise(x)) is not None and not a.head_dim & (a.head_dim - 1):
+            return kernels.rope_qk(qkv, cos, sin, a.n_heads, a.n_kv_heads, a.head_dim)
+        q, k, v = qkv.split([a.q_dim, a.kv_dim, a.kv_dim], dim=-1)
         q = apply_rope(q.view(t, a.n_heads, a.head_dim), cos, sin)
         k = apply_rope(k.view(t, a.n_kv_heads, a.head_dim), cos, sin)
         return q, k, v.view(t, a.n_kv_heads, a.head_dim)
@@ -107,7 +123,10 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
+        h = self.w13(x)
+        if (kernels := rowwise(x)) is not None:
+            return self.w2(kernels.silu_mul(h))
+        gate, up = h.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
@@ -126,8 +145,8 @@ class Block(nn.Module):
 
     def after_attention(self, x: Tensor, attn: Tensor) -> Tensor:
         """x: [T, dim], the layer's input; attn: [T, H, D], what attention returned."""
-        h = x + self.attention.wo(attn.reshape(x.shape[0], -1))
-        return h + self.feed_forward(self.ffn_norm(h))
+        h, normed = self.ffn_norm.after_add(x, self.attention.wo(attn.reshape(x.shape[0], -1)))
+        return h + self.feed_forward(normed)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV, meta: Any) -> Tensor:
         q, k, v = self.before_attention(x, cos, sin)

@@ -34,7 +34,7 @@ from exactness.invariance import (  # noqa: E402
 )
 
 from worker.attention import choose_attention, gather_attention  # noqa: E402
-from worker.kernels import paged_triton  # noqa: E402
+from worker.kernels import flash_triton, paged_triton, rowwise_triton  # noqa: E402
 from worker.model import RMSNorm  # noqa: E402
 
 DEV, DT = "cuda", torch.bfloat16
@@ -81,7 +81,7 @@ def test_rms_norm_row_alone_equals_row_in_a_launch_and_matches_the_module(dim):
     norm = RMSNorm(dim, 1e-5).to(DEV, DT)
     norm.weight.data.normal_()
     x = torch.randn(2048, dim, device=DEV, dtype=DT)
-    fn = lambda a: paged_triton.rms_norm(a, norm.weight, norm.eps)  # noqa: E731
+    fn = lambda a: rowwise_triton.rms_norm(a, norm.weight, norm.eps)  # noqa: E731
     assert counts_where_row_differs(fn, x, COUNTS) == []
     h = x.float()
     ref = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)).to(DT)
@@ -119,15 +119,22 @@ def test_attention_decode_row_ignores_its_neighbours():
         assert torch.equal(out[rows.index((1, 40, 1))], alone), rows
 
 
+def dense_reference(seqs: PagedSequences, seq: int, start: int, n: int) -> torch.Tensor:
+    """Rows start .. start + n - 1 of sequence `seq` attended in float32 over its pages gathered."""
+    end = start + n
+    k, v = (p[seqs.tables[seq]].flatten(0, 1)[:end].float() for p in (seqs.k_pool, seqs.v_pool))
+    q = seqs.q[seq][start:end].float()
+    mask = torch.arange(end, device=DEV)[None, :] <= torch.arange(start, end, device=DEV)[:, None]
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                          v.transpose(0, 1), attn_mask=mask,
+                                          enable_gqa=True).transpose(0, 1)
+
+
 def test_attention_matches_the_dense_reference():
     seqs = paged(0)
-    k, v = (p[seqs.tables[0]].flatten(0, 1)[:700].float() for p in (seqs.k_pool, seqs.v_pool))
-    q = seqs.q[0][500:700].float()
-    mask = torch.arange(700, device=DEV)[None, :] <= torch.arange(500, 700, device=DEV)[:, None]
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, enable_gqa=True).transpose(0, 1)
     out = seqs.attend(paged_triton.paged_attention, [(0, 500, 200)])[0]
-    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), dense_reference(seqs, 0, 500, 200), rtol=2e-2,
+                               atol=2e-2)
 
 
 def test_sdpa_attention_does_differ_beside_neighbours_on_this_gpu():
@@ -140,12 +147,20 @@ def test_sdpa_attention_does_differ_beside_neighbours_on_this_gpu():
     assert not all(torch.equal(b, alone) for b in batched)
 
 
-def test_default_attention_on_cuda_is_the_paged_kernel():
+@pytest.mark.parametrize("whole_prompt_rows", [flash_triton.WHOLE_PROMPT_ROWS, 200])
+def test_default_attention_on_cuda_is_the_flash_kernel_and_matches_the_dense_reference(
+        whole_prompt_rows, monkeypatch):
+    # 200: the whole prompt (3, 0, 300) goes to SDPA over its gathered pages
+    monkeypatch.setattr(flash_triton, "WHOLE_PROMPT_ROWS", whole_prompt_rows)
     seqs = paged(0)
-    rows = [(0, 699, 1), (1, 40, 1), (2, 4, 3)]
-    for a, b in zip(seqs.attend(choose_attention(False, DEV, 128), rows),
-                    seqs.attend(paged_triton.paged_attention, rows), strict=True):
-        assert torch.equal(a, b)
+    for rows in ([(0, 699, 1), (1, 40, 1), (2, 4, 3)], [(0, 600, 100), (3, 0, 300)],
+                 [(0, 699, 1), (1, 40, 1), (3, 299, 1)]):  # prompt rows; decode rows only
+        chosen = seqs.attend(choose_attention(False, DEV, 128), rows)
+        for a, b in zip(chosen, seqs.attend(flash_triton.paged_attention, rows), strict=True):
+            assert torch.equal(a, b)
+        for (seq, start, n), out in zip(rows, chosen, strict=True):
+            ref = dense_reference(seqs, seq, start, n)
+            torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_exact_stage_gives_a_prompt_the_same_bits_in_one_chunk_or_any_chunks():

@@ -1,13 +1,19 @@
-"""Kernels beside the plain PyTorch ones: the batch-invariant kernels of exact mode, for the CPU
-(`exact_cpu`, torch only) and for CUDA (`paged_triton`, which imports Triton on first use, so a
-CPU-only install never needs it). On CUDA both modes use `paged_triton`'s paged attention
-(`worker/attention.py` chooses it) and RMSNorm (`worker/model.py`), which cost less than
-PyTorch's eager kernels and change no guarantee; exact mode adds its matmul (`worker/exact.py`,
-the one place that switches exact mode on)."""
+"""Kernels beside the plain PyTorch ones, for the CPU (`exact_cpu`, torch only: exact mode's
+batch-invariant kernels) and for CUDA in Triton, each module imported on first use (a CPU-only
+install never needs Triton):
+
+- `paged_triton`: exact mode's batch-invariant matmul and paged attention (`worker/exact.py`, the
+  one place that switches exact mode on), and the row writes every mode's decode graphs make;
+- `flash_triton`: default mode's paged attention (flash attention for prompts, split keys for
+  decode steps, through `paged_triton`'s split kernels);
+- `rowwise_triton`: RMSNorm, RoPE, SiLU-and-multiply and the residual add, one launch each, in
+  every mode (`worker/model.py`): cheaper than PyTorch's eager kernels and with their bits.
+"""
 
 from __future__ import annotations
 
 import functools
+import importlib
 from types import ModuleType
 
 # Key positions per split of the CUDA paged attention (`paged_triton.SPLIT`); the decode graphs
@@ -15,11 +21,24 @@ from types import ModuleType
 ATTENTION_SPLIT = 256
 
 
+def splits_bucket(context: int) -> int:
+    """The power of two of ATTENTION_SPLIT splits that covers `context` keys: what a decode step
+    of that context is sized by (its graph, its split)."""
+    n = -(-context // ATTENTION_SPLIT)
+    return 1 << (n - 1).bit_length()
+
+
 @functools.cache
+def triton_module(name: str) -> ModuleType | None:
+    """This package's Triton module `name`, or None where Triton is not installed."""
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != "triton" and not (e.name or "").startswith("triton."):
+            raise
+        return None
+
+
 def triton_kernels() -> ModuleType | None:
     """`paged_triton`, or None where Triton is not installed."""
-    try:
-        from . import paged_triton
-    except ImportError:
-        return None
-    return paged_triton
+    return triton_module("paged_triton")

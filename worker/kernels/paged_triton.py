@@ -1,13 +1,12 @@
 """Batch-invariant kernels for CUDA, in Triton: each row's bits depend on that row alone. Exact
-mode uses them all; default mode the paged attention, RMSNorm and the row writes.
+mode uses them all; default mode the row writes (its attention is `flash_triton`'s). The
+per-row elementwise kernels every mode shares (RMSNorm, RoPE, ...) are `rowwise_triton`'s.
 
 - `linear`: one tile configuration for every launch (BLOCK_M x BLOCK_N output tiles, the K loop
   in BLOCK_K steps), so a row meets the same instructions in the same order whatever the row
   count; padded rows load zeros and only feed rows that are dropped. K is split (partial sums
   added in split order) by a count chosen from the weight's shape and the GPU, never from the
   row count, so that one decode row still keeps every SM streaming weights.
-- `rms_norm`: one program per row, the whole row in one block, one fixed reduction tree
-  (torch's CUDA reduction picks its thread layout from the tensor's shape).
 - `paged_attention`: one program per (block of query positions of one sequence, KV head, split
   of SPLIT key positions); its tile rows are (position, query head) pairs, so tensor cores do
   both products, and a tensor-core row's result depends on that row alone. A program walks the
@@ -108,30 +107,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*x.shape[:-1], n)
 
 
-@triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    h = x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-    # as RMSNorm: normalised in float32, cast to the activations' dtype, then times the weight
-    h = h.to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., dim] -> [..., dim], `worker.model.RMSNorm`'s arithmetic, one row per program."""
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty_like(rows)
-    if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0),
-                                           rows.shape[1], eps,
-                                           BLOCK=triton.next_power_of_2(rows.shape[1]))
-    return out.reshape(x.shape)
-
-
 @triton.jit(do_not_specialize=["max_splits"])
 def _attention_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, base_ptr, blocks_ptr, pos_ptr, m_ptr, l_ptr, o_ptr,
@@ -210,22 +185,25 @@ def _attention_combine_kernel(m_ptr, l_ptr, o_ptr, row_pos_ptr, out_ptr, stride_
              tl.where(l_sum > 0, acc / l_sum, 0.0).to(out_ptr.dtype.element_ty))
 
 
-def _step_blocks(meta, block_p: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks of at most `block_p` rows of one sequence, [n_blocks, 3] (start of the sequence's
-    pages in the flat tables, first row, rows), and the flat tables (every sequence's page
-    table end to end): built once a step and kept on its meta, since every layer's launches read
-    the same."""
+def step_blocks(meta, block_p: int, skip: set[int] = frozenset()
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of at most `block_p` rows of one sequence (none of the sequences in `skip`),
+    [n_blocks, 3] (start of the sequence's pages in the flat tables, first row, rows), and the
+    flat tables (every sequence's page table end to end): built once a step and kept on its
+    meta, since every layer's launches read the same."""
     cache = meta.__dict__.setdefault("_exact_blocks", {})
-    if block_p not in cache:
+    key = (block_p, tuple(sorted(skip)))
+    if key not in cache:
         starts, table_starts = meta.query_starts, [0]
         for t in meta.page_tables:
             table_starts.append(table_starts[-1] + t.numel())
         blocks = [(table_starts[b], r, min(block_p, starts[b + 1] - r))
-                  for b in range(meta.n_seqs) for r in range(starts[b], starts[b + 1], block_p)]
+                  for b in range(meta.n_seqs) if b not in skip
+                  for r in range(starts[b], starts[b + 1], block_p)]
         dev = meta.positions.device
-        cache[block_p] = (torch.tensor(blocks, dtype=torch.int64, device=dev),
-                          torch.cat(meta.page_tables))
-    return cache[block_p]
+        cache[key] = (torch.tensor(blocks, dtype=torch.int64, device=dev).view(-1, 3),
+                      torch.cat(meta.page_tables))
+    return cache[key]
 
 
 def _split_scratch(meta, t: int, h: int, d: int, max_splits: int, dev: torch.device
@@ -256,25 +234,32 @@ def block_rows(q_heads: int, kv_heads: int) -> int:
     return max(1, BLOCK_ROWS // triton.next_power_of_2(q_heads // kv_heads))
 
 
-def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
-    """`worker.attention.PagedAttention.attend`'s contract; q: [T, H, D], D a power of two."""
+def paged_attention(q, k_pool, v_pool, meta, scale: float, split: int = SPLIT,
+                    block_p: int | None = None) -> torch.Tensor:
+    """`worker.attention.PagedAttention.attend`'s contract; q: [T, H, D], D a power of two.
+    split: keys per split (a multiple of BLOCK_KV); block_p: query positions a program takes
+    (`block_rows`, unless given). Exact mode keeps both at their defaults: a row's bits depend
+    on them."""
     t, h, d = q.shape
     q = q.contiguous()
-    blocks, tables = _step_blocks(meta, block_rows(h, k_pool.shape[2]))
-    max_splits = triton.cdiv(max(meta.context_lens), SPLIT)
+    block_p = block_p or block_rows(h, k_pool.shape[2])
+    blocks, tables = step_blocks(meta, block_p)
+    max_splits = triton.cdiv(max(meta.context_lens), split)
     scratch = _split_scratch(meta, t, h, d, max_splits, q.device)
     out = torch.empty_like(q)
     if t:
         launch(q, k_pool, v_pool, tables, _zero(q.device), blocks, meta.positions, scratch,
-               out, scale)
+               out, scale, split, block_p)
     return out
 
 
-def launch(q, k_pool, v_pool, tables, base, blocks, positions, scratch, out, scale: float) -> None:
+def launch(q, k_pool, v_pool, tables, base, blocks, positions, scratch, out, scale: float,
+           split: int = SPLIT, block_p: int | None = None) -> None:
     """The two launches of a paged attention over explicit buffers, each sized by the caller:
     what a captured decode graph replays (worker/cuda_graphs.py). q, out: [T, H, D]; tables:
-    flat page ids, each offset by base [1]; blocks: [n, 3] as `_step_blocks`; positions: [T]
-    (-1: a padding row); scratch: `split_scratch(T, H, D, splits)`, splits covering every key."""
+    flat page ids, each offset by base [1]; blocks: [n, 3] as `step_blocks`; positions: [T]
+    (-1: a padding row); scratch: `split_scratch(T, H, D, splits)`, splits of `split` keys
+    covering every key; block_p as `paged_attention`'s."""
     t, h, d = q.shape
     rep = h // k_pool.shape[2]
     m, l_split, o = scratch
@@ -283,10 +268,10 @@ def launch(q, k_pool, v_pool, tables, base, blocks, positions, scratch, out, sca
         q, k_pool, v_pool, tables, base, blocks, positions, m, l_split, o,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         k_pool.shape[1], max_splits, scale, H=h, REP=rep, REP_P2=triton.next_power_of_2(rep),
-        BLOCK_P=block_rows(h, k_pool.shape[2]), D=d, SPLIT=SPLIT, BLOCK_KV=BLOCK_KV,
+        BLOCK_P=block_p or block_rows(h, k_pool.shape[2]), D=d, SPLIT=split, BLOCK_KV=BLOCK_KV,
     )
     _attention_combine_kernel[(t, h)](m, l_split, o, positions, out, out.stride(0),
-                                      out.stride(1), max_splits, H=h, D=d, SPLIT=SPLIT)
+                                      out.stride(1), max_splits, H=h, D=d, SPLIT=split)
 
 
 @triton.jit

@@ -1,0 +1,188 @@
+"""Default mode's paged attention on CUDA, in Triton: flash attention for prompts, split keys for
+decode steps. Neither keeps a row's bits across batch shapes (exact mode's `paged_triton` does);
+both read the pages in place, through the sequence's page table, with grouped KV heads.
+
+- A step with prompt rows (`flash`): one program per (block of query positions of one sequence,
+  KV head), its tile rows (position, query head) pairs, so the REP query heads of a KV head share
+  each key tile. It walks the keys from the first to its block's last position in BLOCK_N tiles
+  with an online softmax in registers, and writes its rows: no partial results in memory, no
+  second kernel (`paged_triton`'s splits write 4(D + 2) bytes per row, head and split, which at
+  16k keys is more than the keys themselves). The heaviest blocks (a prompt's last) start first.
+  A whole prompt of WHOLE_PROMPT_ROWS or more (from position 0, so its keys are its own rows) goes
+  to PyTorch's fused SDPA instead (`whole_prompt`), which is faster there than this kernel.
+- A decode-only step: `paged_triton`'s split kernels, with splits small enough to fill the GPU
+  (`decode_split`), since a batch of a few rows has only a few (row, KV head) programs otherwise.
+  A captured decode step (worker/cuda_graphs.py) uses the same split for the same bucket, so it
+  gets the eager step's bits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import ATTENTION_SPLIT, splits_bucket
+from . import paged_triton as paged
+
+# (query position, head) rows per program, keys per tile, warps, by head size: the fastest of a
+# sweep on an H200 at 1 x 16k and 8 x 512 tokens (docs/benchmarks.md)
+TILES = {64: (128, 64, 8), 128: (256, 64, 8)}
+LOG2E = 1.4426950408889634
+PROGRAMS_PER_SM = 4  # what a decode step's split count aims at
+WHOLE_PROMPT_ROWS = 2048  # a whole prompt this long goes to `whole_prompt`
+
+
+@triton.jit
+def _tile(q, k_ptr, v_ptr, tables_ptr, table, s0, last, pos, m_i, l_i, acc, kvh, d, stride_kp,
+          stride_ks, stride_kh, page_size, qk_scale, BLOCK_N: tl.constexpr,
+          MASKED: tl.constexpr):
+    # keys s0 .. s0 + BLOCK_N - 1 into the online softmax; MASKED: some row of the block may not
+    # see some key of the tile (else every row sees every key, and nothing is masked)
+    offs = s0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        in_context = offs <= last
+        page = tl.load(tables_ptr + table + offs // page_size, mask=in_context, other=0)
+    else:
+        page = tl.load(tables_ptr + table + offs // page_size)
+    at = page.to(tl.int64) * stride_kp + (offs % page_size) * stride_ks + kvh * stride_kh
+    if MASKED:
+        k = tl.load(k_ptr + at[:, None] + d[None, :], mask=in_context[:, None], other=0.0)
+        v = tl.load(v_ptr + at[:, None] + d[None, :], mask=in_context[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + at[:, None] + d[None, :])
+        v = tl.load(v_ptr + at[:, None] + d[None, :])
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # in log2 units
+    if MASKED:
+        s = tl.where(offs[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _flash_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, blocks_ptr, pos_ptr, out_ptr,
+                  stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
+                  page_size, n_blocks, qk_scale, REP: tl.constexpr, REP_P2: tl.constexpr,
+                  BLOCK_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    qb = n_blocks - 1 - tl.program_id(0)  # a sequence's last block, the most keys, first
+    kvh = tl.program_id(1)
+    table = tl.load(blocks_ptr + 3 * qb)
+    row0 = tl.load(blocks_ptr + 3 * qb + 1)
+    n = tl.load(blocks_ptr + 3 * qb + 2)
+    r = tl.arange(0, BLOCK_P * REP_P2)
+    valid = (r // REP_P2 < n) & (r % REP_P2 < REP)
+    t = (row0 + r // REP_P2).to(tl.int64)
+    h = kvh * REP + r % REP_P2
+    pos = tl.load(pos_ptr + t, mask=valid, other=-1)  # row i attends keys [0, pos[i]]
+    last = tl.max(pos, axis=0)
+    first = tl.load(pos_ptr + row0)  # a block's rows are consecutive positions
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                mask=valid[:, None], other=0.0)
+    m_i = tl.full((BLOCK_P * REP_P2,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_P * REP_P2,), tl.float32)
+    acc = tl.zeros((BLOCK_P * REP_P2, D), tl.float32)
+    seen_by_all = (first + 1) // BLOCK_N * BLOCK_N  # tiles every row of the block sees whole
+    for s0 in range(0, seen_by_all, BLOCK_N):
+        m_i, l_i, acc = _tile(q, k_ptr, v_ptr, tables_ptr, table, s0, last, pos, m_i, l_i, acc,
+                              kvh, d, stride_kp, stride_ks, stride_kh, page_size, qk_scale,
+                              BLOCK_N, False)
+    for s0 in range(seen_by_all, last + 1, BLOCK_N):
+        m_i, l_i, acc = _tile(q, k_ptr, v_ptr, tables_ptr, table, s0, last, pos, m_i, l_i, acc,
+                              kvh, d, stride_kp, stride_ks, stride_kh, page_size, qk_scale,
+                              BLOCK_N, True)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+def flash(q, k_pool, v_pool, meta, scale: float, tiles: tuple[int, int, int] | None = None,
+          stages: int = 2, skip: set[int] = frozenset()) -> torch.Tensor:
+    """Every row of the step but those of the sequences in `skip` (left unwritten): q [T, H, D]
+    -> [T, H, D]. tiles: (rows, keys, warps), TILES' for the head size (or (128, 64, 4)) unless
+    given."""
+    t, h, d = q.shape
+    block_m, block_n, warps = tiles or TILES.get(d, (128, 64, 4))
+    kvh = k_pool.shape[2]
+    q = q.contiguous()
+    rep_p2 = triton.next_power_of_2(h // kvh)
+    block_p = max(1, block_m // rep_p2)
+    blocks, tables = paged.step_blocks(meta, block_p, skip)
+    out = torch.empty_like(q)
+    n_blocks = blocks.shape[0]
+    if n_blocks:
+        _flash_kernel[(n_blocks, kvh)](
+            q, k_pool, v_pool, tables, blocks, meta.positions, out, q.stride(0), q.stride(1),
+            out.stride(0), out.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+            k_pool.shape[1], n_blocks, scale * LOG2E, REP=h // kvh, REP_P2=rep_p2,
+            BLOCK_P=block_p, D=d, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    return out
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_split(rows: int, keys: int, kv_heads: int, device: torch.device) -> int:
+    """Keys per split of a decode step of `rows` rows (a bucket: a power of two) over up to
+    `keys` keys (a multiple of ATTENTION_SPLIT): halved from ATTENTION_SPLIT while the launch has
+    fewer than PROGRAMS_PER_SM programs an SM, down to one tile."""
+    split, target = ATTENTION_SPLIT, PROGRAMS_PER_SM * _sms(device)
+    while split > paged.BLOCK_KV and rows * kv_heads * (keys // split) < target:
+        split //= 2
+    return split
+
+
+def decode_block(q_heads: int, kv_heads: int) -> int:
+    """Query positions a decode program's tile holds (one is used): the fewest a tensor-core
+    product takes (16 tile rows)."""
+    return max(1, 16 // triton.next_power_of_2(q_heads // kv_heads))
+
+
+def decode_shape(rows: int, keys: int, q_heads: int, kv_heads: int, device: torch.device
+                 ) -> tuple[int, int]:
+    """`worker.attention.DecodeShape`: the split and block of a decode step's attention."""
+    return decode_split(rows, keys, kv_heads, device), decode_block(q_heads, kv_heads)
+
+
+def whole_prompt(q, k_pool, v_pool, meta, b: int, scale: float) -> torch.Tensor:
+    """Sequence b's rows, a whole prompt from position 0, attended by PyTorch's fused SDPA
+    (flash or cuDNN, with grouped heads) over its keys gathered from its pages in order: on an
+    H200 1.6 to 1.7 times this module's kernel at 16k keys (docs/benchmarks.md), for a gather
+    of its keys (a few percent of the attention's time)."""
+    lo, hi = meta.query_starts[b], meta.query_starts[b + 1]
+    table = meta.page_tables[b]
+    # [1, heads, keys, D], keys contiguous: what SDPA's fused kernels take (measured: a 3-D or
+    # key-strided input falls to its math path, which stores every score)
+    k, v = (pool[table].flatten(0, 1)[:hi - lo].transpose(0, 1).contiguous()[None]
+            for pool in (k_pool, v_pool))
+    o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1)[None], k, v, is_causal=True,
+                                       scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
+    """`worker.attention.PagedAttention.attend`'s contract, in default mode."""
+    if not meta.decode_only:
+        long = [b for b in range(meta.n_seqs) if meta.context_lens[b] >= WHOLE_PROMPT_ROWS
+                and meta.query_starts[b + 1] - meta.query_starts[b] == meta.context_lens[b]]
+        if not long:
+            return flash(q, k_pool, v_pool, meta, scale)
+        out = flash(q, k_pool, v_pool, meta, scale, skip=set(long))
+        for b in long:
+            out[meta.query_starts[b]:meta.query_starts[b + 1]] = whole_prompt(
+                q, k_pool, v_pool, meta, b, scale)
+        return out
+    rows = 1 << (meta.n_seqs - 1).bit_length()
+    keys = splits_bucket(max(meta.context_lens)) * ATTENTION_SPLIT
+    split, block_p = decode_shape(rows, keys, q.shape[1], k_pool.shape[2], q.device)
+    return paged.paged_attention(q, k_pool, v_pool, meta, scale, split, block_p)
