@@ -330,7 +330,8 @@ class PageCopy:
 
 @dataclass(slots=True)
 class Step:
-    """A step, applied in this order: free, park, restore, copies, then the sequences' rows."""
+    """A step, applied in this order: free, park, restore, copies, then the sequences' rows.
+    On the wire as columns (protocol/step_frames.py), not as this map."""
 
     TYPE: ClassVar[MsgType] = MsgType.STEP
     step: int = _field(lo=0)
@@ -496,7 +497,8 @@ MESSAGES: dict[MsgType, type] = {
         Serve, Listening, Submit, Cancel, Outputs, Report,
     )
 }
-# raw frames each type carries
+# raw frames each type carries beside its fields (a STEP's frames are its fields' columns,
+# decoded into the Step: protocol/step_frames.py)
 FRAMES: dict[MsgType, int] = {MsgType.ACTIVATIONS: 1, MsgType.SUBMIT: 1, MsgType.OUTPUTS: 1}
 
 

@@ -14,7 +14,9 @@ import msgpack
 import zmq
 
 from .errors import ProtocolError
-from .messages import FRAMES, MESSAGES, MsgType, from_header, to_header
+from .messages import FRAMES, MESSAGES, MsgType, Step, from_header, to_header
+from .step_frames import FRAMES as STEP_FRAMES
+from .step_frames import decode_step, encode_step
 
 VERSION = b"SIDING/1"
 MAX_HEADER_BYTES = 64 << 20  # a READY carries the tokenizer; everything else is far smaller
@@ -25,8 +27,12 @@ MAX_CLIENT_MESSAGE_BYTES = 16 << 20
 
 
 def encode(msg: Any, frames: Sequence[bytes | memoryview] = ()) -> list[bytes | memoryview]:
-    header = msgpack.packb(to_header(msg), use_bin_type=True)
-    return [VERSION, bytes([msg.TYPE]), header, *frames]
+    """A message's frames; `frames`: its raw frames (a STEP makes its own)."""
+    if type(msg) is Step:
+        fields, frames = encode_step(msg)
+    else:
+        fields = to_header(msg)
+    return [VERSION, bytes([msg.TYPE]), msgpack.packb(fields, use_bin_type=True), *frames]
 
 
 def decode(parts: Sequence[Any]) -> tuple[Any, list[memoryview]]:
@@ -42,10 +48,9 @@ def decode(parts: Sequence[Any]) -> tuple[Any, list[memoryview]]:
     if len(header) > MAX_HEADER_BYTES:
         raise ProtocolError("header too large")
     frames = [memoryview(_bytes(p)) for p in parts[3:]]
-    if len(frames) != FRAMES.get(msg_type, 0):
-        raise ProtocolError(
-            f"{msg_type.name} carries {FRAMES.get(msg_type, 0)} raw frames, got {len(frames)}"
-        )
+    expected = STEP_FRAMES if msg_type is MsgType.STEP else FRAMES.get(msg_type, 0)
+    if len(frames) != expected:
+        raise ProtocolError(f"{msg_type.name} carries {expected} raw frames, got {len(frames)}")
     try:
         fields = msgpack.unpackb(header, raw=False, strict_map_key=True, use_list=True)
     except msgpack.ExtraData:
@@ -53,6 +58,8 @@ def decode(parts: Sequence[Any]) -> tuple[Any, list[memoryview]]:
     except Exception as e:  # msgpack raises several types for garbage and truncation
         detail = f"{type(e).__name__}: {e}".rstrip(": ")
         raise ProtocolError(f"malformed msgpack header ({detail[:160]})") from None
+    if msg_type is MsgType.STEP:
+        return decode_step(fields, frames), []
     return from_header(MESSAGES[msg_type], fields), frames
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import struct
 from pathlib import Path
 
 import msgpack
@@ -29,6 +30,8 @@ from protocol.messages import (
     Listening,
     ModelInfo,
     Outputs,
+    PageCopy,
+    PageMove,
     Ready,
     Register,
     Report,
@@ -70,8 +73,11 @@ SAMPLES = [
     Ready(rank=0, layer_start=0, layer_end=30, kv_bytes_per_page=4096,
           model=ModelInfo("m", 30, 49152, 8192, "{}", "{{ x }}", None, False, [2])),
     Heartbeat(rank=3),
-    Step(step=9, seqs=[SeqPlan(1, 0, 3, [4, 5], True, Sampling(0.7, 0.9, 20, 11))],
-         token_ids=[1, 2, 3], free=[7]),
+    Step(step=9, seqs=[SeqPlan(1, 0, 3, [4, 5], True, Sampling(0.7, 0.9, 20, 11)),
+                       SeqPlan(4, 17, 1, [], False, None),
+                       SeqPlan(2, 30, 2, [9], True, Sampling(0.0, 1.0, 0, 3))],
+         token_ids=[1, 2, 3, 4, 5, 6], free=[7], park=[PageMove(5, [1, 2], [0, 3])],
+         restore=[PageMove(6, [8], [4])], copies=[PageCopy(3, 10)]),
     StepResult(step=9, seq_ids=[1], tokens=[42], forward_seconds=0.01),
     StepError(step=9, code="worker_failed", message="CUDA out of memory"),
     Shutdown(),
@@ -93,6 +99,11 @@ WITH_FRAMES = [  # the types that carry raw frames, with theirs
 
 def parts(msg_type: int, header: object, frames: list[bytes] | None = None) -> list[bytes]:
     return [VERSION, bytes([msg_type]), msgpack.packb(header), *(frames or [])]
+
+
+def columns(*cols: list[int]) -> list[bytes]:
+    """A STEP's raw frames: int64 little-endian columns."""
+    return [struct.pack(f"<{len(c)}q", *c) for c in cols]
 
 
 def test_samples_cover_every_message_type():
@@ -185,6 +196,28 @@ REJECTED = {
     "missing raw frame": (parts(0x31, {"step": 0, "dtype": "f32", "shape": [1]}),
                           "ACTIVATIONS carries 1 raw frames, got 0"),
     "extra raw frame": (parts(0x01, GENERATE, [b"tensor"]), "GENERATE carries 0 raw frames, got 1"),
+    **{f"step: {name}": (parts(0x25, {"step": 1, **header}, columns(*cols)), expected)
+       for name, (header, cols, expected) in {
+           "frames missing": ({}, [[]], "STEP carries 3 raw frames, got 1"),
+           "sequences short": ({"n_seqs": 2}, [[1, 0, 1, 0, 0], [], []],
+                               "STEP's sequences frame holds 40 bytes; the header says 10 int64 "
+                               "values"),
+           "negative id": ({"n_seqs": 1}, [[-1, 0, 1, 0, 0], [], []],
+                           "STEP's sequences must not be negative"),
+           "no rows": ({"n_seqs": 1}, [[1, 0, 0, 0, 0], [], []],
+                       "STEP: a sequence with no rows"),
+           "sample flag 2": ({"n_seqs": 1}, [[1, 0, 1, 2, 0], [], []],
+                             "STEP: a sequence's sample flag is neither 0 nor 1"),
+           "page counts": ({"n_seqs": 1, "n_pages": 1}, [[1, 0, 1, 0, 2], [5], []],
+                           "STEP: the sequences' page counts do not add up to its pages"),
+           "negative page": ({"n_seqs": 1, "n_pages": 1}, [[1, 0, 1, 0, 1], [-5], []],
+                             "STEP's pages must not be negative"),
+           "token count": ({"n_tokens": 2}, [[], [], [7]],
+                           "STEP's token ids frame holds 8 bytes; the header says 2 int64 values"),
+           "sampling index": ({"n_seqs": 1, "sampling": [{"seq": 1, "sampling": {}}]},
+                              [[1, 0, 1, 1, 0], [], []], "STEP: sampling for sequence 1 of 1"),
+           "odd header field": ({"seqs": []}, [[], [], []], "unknown field 'seqs'"),
+       }.items()},
 }
 
 
