@@ -115,7 +115,7 @@ class Arm:
             hidden = self.runner.forward(plan, meta, None)
         else:  # the plan's token is used only by the first step
             hidden = self.runner.forward(plan, meta, None, self.next_input)
-            self.next_input = self.runner.greedy(meta, hidden)
+            self.next_input = self.runner.draw(plan, meta, hidden)
         if cuda:
             events[1].record()
         t2 = time.perf_counter()

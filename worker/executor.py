@@ -68,7 +68,7 @@ class StepExecutor:
             out = runner.forward(plan, meta, hidden)
             nxt = follow_on(plan, runner) if self.overlap and continues(last, plan) else None
             if nxt is not None:
-                self._overlapped(plan, runner.greedy(meta, out), t0, nxt)
+                self._overlapped(plan, runner.draw(plan, meta, out), t0, nxt)
             elif runner.last:
                 self._send_tokens(plan, *runner.sample(plan, meta, out), t0, runner.park_seconds)
             else:
@@ -95,7 +95,7 @@ class StepExecutor:
 
     def _overlapped(self, plan: Step, tokens: torch.Tensor, t0: float, nxt: Step | None
                     ) -> None:
-        """Send `plan`'s greedy tokens (on the device, maybe still being computed), and enqueue
+        """Send `plan`'s tokens (on the device, maybe still being computed), and enqueue
         `nxt`, the step that follows it (`follow_on`), if there is one: on a GPU before reading
         the tokens, so that the device goes on while the host waits; on a CPU after sending
         them (the forward pass is synchronous there)."""
@@ -119,7 +119,7 @@ class StepExecutor:
                 started = time.perf_counter()
                 nxt_meta = runner.apply(nxt)
                 out = runner.forward(nxt, nxt_meta, None, tokens)
-                guess = (runner.greedy(nxt_meta, out), started)
+                guess = (runner.draw(nxt, nxt_meta, out), started)
             except Exception:  # the plan itself is unharmed: the guess is dropped
                 log.exception("step %d: the step after it could not be enqueued", plan.step)
         if cuda:

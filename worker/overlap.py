@@ -6,9 +6,10 @@ enqueuing step N+1, plus the round trip to the coordinator: the device idles all
 with `--kv host` so does the link once the layers primed for step N+1 have landed
 (docs/overlap-scheduling.md).
 
-So after enqueuing a decode step in which every sequence decodes greedily, the worker also
-enqueues the step that would follow it (`follow_on`: each sequence one position on, its input
-the token just chosen, still on the device) before it reads that token on the host. When the
+So after enqueuing a decode step in which every sequence decodes, the worker also enqueues the
+step that would follow it (`follow_on`: each sequence one position on, its input the token just
+chosen, still on the device: greedy or drawn, since the draw is made on the device and keyed by
+(seed, position), worker/sampler.py) before it reads that token on the host. When the
 coordinator's plan arrives and is that step (`Ahead.matches`: the same sequences, positions and
 tokens, nothing freed, parked, restored, copied or added), its work is already on the device;
 otherwise it is dropped and the plan runs as usual. Only a worker whose last steps continued
@@ -34,7 +35,6 @@ import torch
 from protocol.messages import SeqPlan, Step
 
 from .runner import ModelRunner
-from .sampler import SamplingParams
 
 
 def overlap_enabled(setting: str, device: torch.device | str) -> bool:
@@ -53,12 +53,12 @@ def continues(last: Step | None, plan: Step) -> bool:
 
 def follow_on(plan: Step, runner: ModelRunner) -> Step | None:
     """The step that continues `plan` if the worker may enqueue it before it is asked: every
-    sequence decodes greedily and has room for one more position in its pages."""
+    sequence decodes and has room for one more position in its pages."""
     if not (runner.first and runner.last and plan.seqs):
         return None
     seqs = []
     for s in plan.seqs:
-        if s.n != 1 or not s.sample or not runner.sampling.get(s.id, SamplingParams()).greedy:
+        if s.n != 1 or not s.sample:
             return None
         if s.start + 2 > len(runner.tables[s.id]) * runner.pool.page_size:
             return None  # the next position needs a page only the coordinator can give
@@ -72,7 +72,7 @@ class Ahead:
 
     plan: Step  # as guessed: its token ids are placeholders
     inputs: list[int]  # the tokens it was enqueued on (the step before's, read since)
-    tokens: torch.Tensor  # its greedy tokens, on the device
+    tokens: torch.Tensor  # its tokens, on the device
     started: float  # perf_counter when it was enqueued: its forward time counts from there
 
     def matches(self, plan: Step) -> bool:

@@ -14,7 +14,7 @@ from .cuda_graphs import DecodeGraphs
 from .kv.park_store import ParkStore
 from .kv.pool import Pool
 from .model import StageModel
-from .sampler import SamplingParams, sample
+from .sampler import SamplingParams, sample_tokens
 
 
 class SequenceFault(ProtocolError):
@@ -111,22 +111,20 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def greedy(self, meta: BatchMeta, hidden: torch.Tensor) -> torch.Tensor:
-        """The greedy tokens of the rows that sample, left on the device: the next step can be
-        enqueued on them before the host reads them (what `sample` does for a greedy sequence,
-        without its wait for the device)."""
-        return self._logits(meta, hidden).argmax(dim=-1)
-
-    @torch.inference_mode()
-    def sample(self, plan: Step, meta: BatchMeta, hidden: torch.Tensor) -> tuple[list, list]:
-        """Sampled (sequence ids, tokens) for the plan's sequences that sample."""
+    def draw(self, plan: Step, meta: BatchMeta, hidden: torch.Tensor) -> torch.Tensor:
+        """The tokens of the plan's sequences that sample, left on the device (the next step can
+        be enqueued on them before the host reads them): [N] int64."""
         sampled = [s for s in plan.seqs if s.sample]
         if not sampled:
-            return [], []
-        logits = self._logits(meta, hidden)
+            return torch.empty(0, dtype=torch.int64, device=self.device)
         params = [self.sampling.get(s.id, SamplingParams()) for s in sampled]
-        tokens = sample(logits, params, [s.start + s.n for s in sampled])
-        return [s.id for s in sampled], tokens
+        return sample_tokens(self._logits(meta, hidden), params,
+                             [s.start + s.n for s in sampled])
+
+    def sample(self, plan: Step, meta: BatchMeta, hidden: torch.Tensor) -> tuple[list, list]:
+        """Sampled (sequence ids, tokens) for the plan's sequences that sample, read on the
+        host."""
+        return [s.id for s in plan.seqs if s.sample], self.draw(plan, meta, hidden).tolist()
 
     def _logits(self, meta: BatchMeta, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] of the rows that sample."""

@@ -31,8 +31,10 @@ def decode(*starts: tuple[int, int], step: int = 3) -> Step:
                 token_ids=[100 + i for i, _ in starts])
 
 
-def test_the_next_step_is_guessed_for_greedy_sequences_with_room_in_their_pages():
-    nxt = follow_on(decode((1, 5), (2, 1)), runner())
+@pytest.mark.parametrize("sampling", [{}, {1: SamplingParams(temperature=0.8, seed=3)}])
+def test_the_next_step_is_guessed_for_decoding_sequences_with_room_in_their_pages(sampling):
+    # greedy, or drawn: the draw is made on the device, keyed by (seed, position)
+    nxt = follow_on(decode((1, 5), (2, 1)), runner(sampling))
     assert [(s.id, s.start, s.n, s.sample) for s in nxt.seqs] == [(1, 6, 1, True), (2, 2, 1, True)]
     assert nxt.token_ids == [0, 0]  # the inputs stay on the device
 
@@ -40,11 +42,10 @@ def test_the_next_step_is_guessed_for_greedy_sequences_with_room_in_their_pages(
 @pytest.mark.parametrize("plan,who", [
     (decode((1, 6)), runner()),  # position 7 is the last of its pages: it may go on
     (decode((2, 3)), runner()),  # position 4 needs a second page, which only the coordinator has
-    (decode((1, 5)), runner({1: SamplingParams(temperature=0.8)})),  # a draw, on the host
     (Step(step=3, seqs=[SeqPlan(id=1, start=0, n=5, sample=True)], token_ids=[1] * 5), runner()),
     (decode((1, 5)), SimpleNamespace(**{**vars(runner()), "last": False})),  # a layer split
 ])
-def test_no_guess_without_room_for_the_next_position_or_for_a_draw_a_prefill_or_a_split(plan, who):
+def test_no_guess_without_room_for_the_next_position_or_for_a_prefill_or_a_split(plan, who):
     assert (follow_on(plan, who) is None) == (plan.seqs[0].start != 6)
 
 
@@ -127,7 +128,7 @@ def decode_run(kv: str, depth: int, guess: bool) -> list[tuple[torch.Tensor, lis
             nxt = follow_on(plan, runner)
             nxt_meta = runner.apply(nxt)
             inputs = torch.tensor([9 + s.id for s in nxt.seqs])  # whatever it guessed
-            runner.greedy(nxt_meta, runner.forward(nxt, nxt_meta, None, inputs))
+            runner.draw(nxt, nxt_meta, runner.forward(nxt, nxt_meta, None, inputs))
     return out
 
 
