@@ -24,6 +24,7 @@ def step_plan(step: int, sched: Schedule) -> Step:
     return Step(
         step=step, seqs=plans, token_ids=tokens, free=sched.free,
         park=[PageMove(id=m.seq.id, pages=m.pages, slots=m.slots) for m in sched.parks],
-        restore=[PageMove(id=m.seq.id, pages=m.pages, slots=m.slots) for m in sched.restores],
+        restore=[PageMove(id=m.seq.id, pages=m.pages, slots=m.slots, kept=m.kept)
+                 for m in sched.restores],
         copies=[PageCopy(src=a, dst=b) for a, b in sched.copies],
     )

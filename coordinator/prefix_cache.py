@@ -69,6 +69,16 @@ class PrefixCache:
         seq.pages, seq.page_keys, seq.n_computed = pages, keys, len(pages) * p
         self.hit += seq.n_computed
 
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The pages holding `keys`, in order, as far as each is cached (nothing is taken)."""
+        pages = []
+        for key in keys:
+            page = self.by_key.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
     def give_back(self, seq: Sequence) -> None:
         """Undo `take` (and its count) for a sequence that could not be admitted after all."""
         self.queried -= len(seq.token_ids)
@@ -83,11 +93,19 @@ class PrefixCache:
         for i in range(len(keys), seq.n_computed // p):
             key = chain_key(keys[-1] if keys else self.root, seq.token_ids[i * p:(i + 1) * p])
             keys.append(key)
-            page = seq.pages[i]
-            if key not in self.by_key and page not in self.key_of:
-                self.by_key[key] = page
-                self.key_of[page] = key
-                self.allocator.retain(page)
+            self._keep(key, seq.pages[i])
+
+    def restored(self, seq: Sequence, first: int) -> None:
+        """A parked sequence's pages from `first` on were restored into new pages: key those
+        whose content the cache lost meanwhile (their old pages were reused)."""
+        for i in range(first, min(len(seq.page_keys), len(seq.pages))):
+            self._keep(seq.page_keys[i], seq.pages[i])
+
+    def _keep(self, key: bytes, page: int) -> None:
+        if key not in self.by_key and page not in self.key_of:
+            self.by_key[key] = page
+            self.key_of[page] = key
+            self.allocator.retain(page)
 
     def clear(self) -> None:
         """The workers' KV is gone: nothing is cached any more."""

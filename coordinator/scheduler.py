@@ -42,8 +42,9 @@ SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i of a request draws from seed + i * 
 @dataclass
 class Move:
     seq: Sequence
-    pages: list[int]
+    pages: list[int]  # moved to (park) or from (restore) the park store's slots
     slots: list[int]
+    kept: list[int] = field(default_factory=list)  # a restore: the resident pages before them
 
 
 @dataclass
@@ -306,13 +307,22 @@ class Scheduler:
             if self._yields_row(seq):
                 break
             n = self.rows(seq, budget)
-            if not self.allocator.can_allocate(len(seq.park_slots) + 1):
+            hits = self._cached_run(seq)
+            idle = sum(1 for p in hits if self.allocator.refs[p] == 0)
+            moved = len(seq.park_slots) - len(hits)
+            if not self.allocator.can_allocate(moved + idle + 1):
                 return out  # restores go first: nothing new is admitted past a parked one
             self.parked.popleft()
-            pages = self.allocator.allocate(len(seq.park_slots))
-            out.restores.append(Move(seq, list(pages), list(seq.park_slots)))
+            self.allocator.share(hits)
+            pages = self.allocator.allocate(moved)
+            out.restores.append(Move(seq, list(pages), seq.park_slots[len(hits):],
+                                     kept=seq.pages + hits))
             self.park_slots.free(seq.park_slots)
-            seq.pages, seq.pages_sent, seq.park_slots = pages, len(pages), []
+            first = len(seq.pages) + len(hits)
+            seq.pages = seq.pages + hits + pages
+            seq.pages_sent, seq.park_slots = len(seq.pages), []
+            if self.cache is not None:
+                self.cache.restored(seq, first)
             self.running.append(seq)
             if self._reserve(seq, n):
                 out.batch.append((seq, n))
@@ -333,6 +343,14 @@ class Scheduler:
             out.batch.append((seq, n))
             budget -= n
         return out
+
+    def _cached_run(self, seq: Sequence) -> list[int]:
+        """The pages of the prefix cache holding a parked sequence's next full pages, from its
+        first parked one on, as far as they are cached: those need no restore."""
+        if self.cache is None:
+            return []
+        start = len(seq.pages)  # the pages it kept resident
+        return self.cache.lookup(seq.page_keys[start:start + len(seq.park_slots)])
 
     def _take_cached(self, seq: Sequence) -> bool:
         """A sequence about to start from nothing takes the cached pages its tokens begin with;
@@ -431,14 +449,21 @@ class Scheduler:
         return min(idle, key=self._rank, default=None)
 
     def preempt(self, seq: Sequence, out: Schedule) -> None:
-        """Park `seq` if the store has room, else drop it to recompute."""
+        """Park `seq` if the store has room, else drop it to recompute. Its leading pages that
+        another sequence holds too (a cached prefix, a forked prompt) stay resident and held,
+        not copied: parking them would free nothing."""
         self.running.remove(seq)
         seq.preemptions += 1
-        if self.park_slots.can_allocate(len(seq.pages)):
-            slots = self.park_slots.allocate(len(seq.pages))
-            out.parks.append(Move(seq, list(seq.pages), list(slots)))
-            self.allocator.free(seq.pages)
-            seq.pages, seq.pages_sent, seq.park_slots = [], 0, slots
+        shared = 0
+        while shared < len(seq.pages) and self.allocator.refs[seq.pages[shared]] > 1:
+            shared += 1
+        moved = seq.pages[shared:]
+        if self.park_slots.can_allocate(len(moved)):
+            slots = self.park_slots.allocate(len(moved))
+            if moved:
+                out.parks.append(Move(seq, list(moved), list(slots)))
+            self.allocator.free(moved)
+            seq.pages, seq.pages_sent, seq.park_slots = seq.pages[:shared], 0, slots
             self.parked.append(seq)
         else:
             self._drop_to_recompute(seq)

@@ -313,11 +313,15 @@ class SeqPlan:
 
 @dataclass(slots=True)
 class PageMove:
-    """Park (`pages` -> park `slots`) or restore (`slots` -> `pages`) one sequence's KV."""
+    """Park (`pages` -> park `slots`) or restore (`slots` -> `pages`) one sequence's KV. A
+    restored sequence's page table is `kept` (pages that stayed resident: shared with another
+    sequence when it was parked, or found in the prefix cache since) then `pages`; `slots`
+    restored are the last of those its park filled."""
 
     id: int = _field(lo=0)
     pages: list[int] = _field([], max_len=MAX_LIST)
     slots: list[int] = _field([], max_len=MAX_LIST)
+    kept: list[int] = _field([], max_len=MAX_LIST)
 
 
 @dataclass(slots=True)

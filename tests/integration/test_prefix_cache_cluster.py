@@ -36,6 +36,20 @@ def test_exact_mode_tokens_are_the_same_bytes_cached_or_not(launch, uncached_exa
     c.stop()
 
 
+def test_exact_tokens_keep_their_bytes_when_parked_sequences_come_back_on_cached_pages(
+        launch, uncached_exact):
+    """Every sequence parked every 2 decode steps: a restore takes the full pages still cached
+    (its own, idle since the park) and moves only the rest back, with the same bytes out."""
+    port = free_metrics_port(1)
+    c = launch(*MODEL, "--exact", "--preempt-every", "2", "--metrics-port", str(port))
+    assert tokens(c.endpoint, crowd=True) == uncached_exact
+    parked = scrape(port, "siding_park_bytes_total{direction=\"out\"}")
+    restored = scrape(port, "siding_park_bytes_total{direction=\"in\"}")
+    assert scrape(port, "siding_restores_total") > 0
+    assert 0 < restored < parked / 2, (restored, parked)
+    c.stop()
+
+
 def test_default_mode_greedy_tokens_agree_cached_or_not(launch):
     off = launch(*MODEL, "--no-prefix-cache")
     expected = tokens(off.endpoint, crowd=False, options=(GREEDY,))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from coordinator.page_allocator import PageAllocator
 from coordinator.prefix_cache import PrefixCache, chain_key
-from coordinator.scheduler import Scheduler
+from coordinator.scheduler import Schedule, Scheduler
 from coordinator.sequence import Request
 from protocol.messages import Submit
 
@@ -157,3 +157,72 @@ def test_a_cache_off_scheduler_computes_every_prompt_in_full():
     r = request(1, PROMPT)
     s.add_request(r)
     assert run_to_end(s)[0] == [(r.seqs[0].id, 0, 42)]
+
+
+def parked_and_back(s: Scheduler, seq, meanwhile=lambda: None) -> tuple:
+    """Run a step, park `seq` alone (as a preemption would), call `meanwhile`, then run steps
+    until it is restored: (its park Move, its restore Move)."""
+    out = s.next_step()
+    ids = [q.id for q, n in out.batch if q.n_computed + n == len(q.token_ids)]
+    s.update_from_output(out, ids, [5] * len(ids))
+    parked = Schedule()
+    s.preempt(seq, parked)
+    meanwhile()
+    for _ in range(50):
+        sched = s.next_step()
+        restore = [m for m in sched.restores if m.seq is seq]
+        ids = [q.id for q, n in sched.batch if q.n_computed + n == len(q.token_ids)]
+        s.update_from_output(sched, ids, [5] * len(ids))
+        if restore:
+            return (parked.parks[0] if parked.parks else None), restore[0]
+    raise AssertionError("never restored")
+
+
+def test_a_parked_sequence_keeps_the_pages_it_shares_and_parks_only_its_own():
+    s = scheduler()
+    s.add_request(request(0, PROMPT))
+    run_to_end(s)  # 10 full pages cached
+    a, b = request(1, PROMPT + [1, 2, 3], max_tokens=30), request(2, PROMPT + [4], max_tokens=30)
+    s.add_request(a)
+    s.add_request(b)
+    seq = a.seqs[0]
+    park, restore = parked_and_back(s, seq)
+    shared = b.seqs[0].pages[:10]
+    assert restore.kept[:10] == shared  # never left the pool, never copied
+    assert park.pages and not set(park.pages) & set(shared)
+    assert len(park.slots) == len(park.pages) == len(seq.pages) - 10
+    assert seq.pages[:10] == shared
+    run_to_end(s)
+    assert s.allocator.n_used == 0 and s.park_slots.n_used == 0
+
+
+def test_a_restore_takes_its_pages_still_cached_and_moves_only_the_rest():
+    """Its own full pages, freed by the park, wait idle in the cache: the restore takes them
+    again, and only the partly filled tail comes back from the park store."""
+    s = scheduler()
+    r = request(0, PROMPT, max_tokens=30)
+    s.add_request(r)
+    seq = r.seqs[0]
+    park, restore = parked_and_back(s, seq)
+    assert len(park.pages) == 11  # 10 full pages and the tail (42 prompt tokens, one more)
+    assert len(restore.kept) == 10 and len(restore.pages) == len(restore.slots) == 1
+    assert restore.slots == park.slots[-1:]
+    run_to_end(s)
+    assert s.allocator.n_used == 0 and s.park_slots.n_used == 0
+
+
+def test_a_restore_after_its_cached_pages_were_reused_moves_them_all_and_keys_them_again():
+    s = scheduler(pages=20)
+    r = request(0, PROMPT, max_tokens=30)
+    s.add_request(r)
+    seq = r.seqs[0]
+
+    def reuse_every_page() -> None:  # another sequence's growth, as far as the pool goes
+        s.allocator.free(s.allocator.allocate(s.allocator.n_free))
+
+    park, restore = parked_and_back(s, seq, reuse_every_page)
+    assert len(park.pages) == len(restore.pages) == len(restore.slots) == 11
+    assert restore.kept == []
+    assert all(s.cache.by_key[k] == p for k, p in zip(seq.page_keys, seq.pages, strict=False))
+    run_to_end(s)
+    assert s.allocator.n_used == 0 and s.park_slots.n_used == 0

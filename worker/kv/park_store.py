@@ -41,8 +41,10 @@ class ParkStore:
         return len(pages) * self.bytes_per_slot
 
     def restore(self, seq_id: int, slots: list[int], pages: list[int]) -> int:
-        """Copy `slots` back into `pages`; returns bytes moved."""
-        if self.records.get(seq_id) != list(slots):
+        """Copy `slots`, the last of those the sequence's park filled (its leading pages may
+        have been found elsewhere since), back into `pages`; returns bytes moved."""
+        record = self.records.get(seq_id)
+        if record is None or not slots or record[len(record) - len(slots):] != list(slots):
             raise ProtocolError(f"sequence {seq_id}: the park store does not hold slots {slots}")
         self._check(seq_id, pages, slots)
         idx = torch.tensor(pages, device=self.pool.k.device)

@@ -62,3 +62,33 @@ def test_runner_names_the_sequence_of_a_corrupt_restore():
     with pytest.raises(SequenceFault) as e:
         runner.apply(bad)
     assert e.value.seq_id == 3 and "park store" in str(e.value)
+
+
+def test_the_last_slots_of_a_park_can_be_restored_alone():
+    """A restore whose leading pages were found resident (shared, or in the prefix cache)
+    brings back only the rest; a restore of the leading slots alone is refused."""
+    pool = filled_pool()
+    store = ParkStore(pool, 6)
+    tail = pool.k[:, [5, 7]].clone()
+    store.park(1, [2, 5, 7], [0, 1, 2])
+    with pytest.raises(ProtocolError, match="does not hold"):
+        store.restore(1, [0, 1], [8, 9])
+    store.restore(1, [1, 2], [8, 9])
+    assert torch.equal(pool.k[:, [8, 9]], tail)
+
+
+def test_a_restore_of_resident_pages_only_sets_the_table_and_forgets_the_park():
+    pool = filled_pool()
+
+    class Stage:
+        embed = output = None
+
+    runner = ModelRunner(Stage(), pool, ParkStore(pool, 6), "cpu")
+    runner.apply(Step(step=0, park=[PageMove(id=3, pages=[1, 2], slots=[0, 1])]))
+    runner.apply(Step(step=1, restore=[PageMove(id=3, pages=[6], slots=[1], kept=[4])]))
+    assert runner.tables[3] == [4, 6]
+    runner.apply(Step(step=2, park=[PageMove(id=5, pages=[8], slots=[2])]))
+    runner.apply(Step(step=3, restore=[PageMove(id=5, pages=[], slots=[], kept=[8])]))
+    assert runner.tables[5] == [8] and 5 not in runner.park.records
+    with pytest.raises(SequenceFault, match="out of range"):
+        runner.apply(Step(step=4, restore=[PageMove(id=6, kept=[99])]))
