@@ -1,7 +1,7 @@
 """`siding bench serve`: a running cluster as a serving engine, measured at its client endpoint
 by concurrent streaming clients, beside the worker's own decode step rate at the same batch.
 
-Load comes from `--client-procs` client processes (`python -m benchmarks.serve --client`), each
+Load comes from `--client-procs` client processes (`python -m benchmarks.serve_load`), each
 running its share of the streams and handing its per-request records back as JSON; client i uses
 endpoint i % N of the (comma-separated) endpoints the cluster reports. `--api zmq` streams through
 `protocol.AsyncClient`s, `--api http` through the OpenAI API with the official `openai` client
@@ -43,7 +43,6 @@ Columns, per concurrency or rate:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import itertools
 import json
@@ -53,14 +52,13 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from coordinator.config import threads_per_worker
 from coordinator.local_cluster import LocalCluster
-from protocol import AsyncClient, RequestError
 from protocol.messages import SeqPlan, Step
 from worker.attention import choose_attention
 from worker.build import resolve_dtype
@@ -74,6 +72,15 @@ from worker.runner import ModelRunner
 from .decode import LOWEST_PROMPT_ID, dtype_name
 from .kv_pipeline import quantiles
 from .link import sync
+from .proc_cpu import (
+    cluster_processes,
+    cpu_by_kind,
+    cpu_seconds,
+    cpu_use,
+    idle_cores,
+    machine_busy,
+    read_cpu,
+)
 from .report import (
     Series,
     Spread,
@@ -85,274 +92,14 @@ from .report import (
     write_json,
     write_plot,
 )
+from .serve_load import poisson_arrivals
 
 SCENARIO = "serve"
 PAGE_SIZE = 16  # `siding launch`'s default, for sizing --kv-pages and the in-process pool
-DRAIN_S = 60.0  # how long requests in flight at the window's end may take to finish
 START_S = 0.5  # from the go signal to the clients' first requests
 INPROCESS_WARMUP = 4  # untimed decode steps before the timed ones
 CLIENT_BUSY = 0.7  # cores a client process may keep busy before it may be what limits the load
 OTHERS_BUSY = 0.2  # cores the rest of the machine may keep busy before a point is called skewed
-IDLE_S = 2.0  # how long the idle cluster's CPU is read before the first point
-CLOCK_TICK = os.sysconf("SC_CLK_TCK")
-
-
-# ---- the cluster's processes and their CPU time ---------------------------------------------
-
-def stat_fields(pid: int) -> list[str]:
-    """/proc/<pid>/stat from field 3 (state) on; the name before it may hold spaces."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rpartition(")")[2].split()
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """utime + stime of every thread of `pid` (fields 14 and 15); None once it has gone."""
-    try:
-        fields = stat_fields(pid)
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICK
-
-
-def cluster_processes(core: int) -> dict[int, str]:
-    """pid -> name of `core` ("core") and every process below it: "worker R" (`-m worker`,
-    `--rank R`), "frontend I" (`--index I`), or "other PID" (helpers: counted as non-worker)."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parents[int(entry)] = int(stat_fields(int(entry))[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    tree, frontier = [], [core]
-    while frontier:
-        tree += frontier
-        frontier = sorted(p for p, parent in parents.items() if parent in frontier)
-    names = {core: "core"}
-    for pid in tree[1:]:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        line = " ".join(argv)
-        if " -m worker" in line:
-            names[pid] = f"worker {flag(argv, '--rank', f'pid {pid}')}"
-        elif "frontend" in line:
-            names[pid] = f"frontend {flag(argv, '--index', f'pid {pid}')}"
-        else:
-            names[pid] = f"other {pid}"
-    return names
-
-
-def flag(argv: list[str], name: str, default: str) -> str:
-    return argv[argv.index(name) + 1] if name in argv[:-1] else default
-
-
-def cpu_use(start: dict[int, tuple[str, float | None]], end: dict[int, tuple[str, float | None]],
-            tokens: int, window: float) -> list[dict[str, Any]]:
-    """Per process, CPU seconds between two readings, per output token and as busy cores. A
-    process first seen at the end started in the window: all its time is the window's."""
-    out = []
-    for pid, (name, last) in end.items():
-        first = start.get(pid, (name, 0.0))[1]
-        used = None if last is None or first is None else last - first
-        out.append({"pid": pid, "name": name, "cpu_s": used,
-                    "us_per_token": None if used is None or not tokens else used * 1e6 / tokens,
-                    "cores": None if used is None else used / window})
-    return out
-
-
-def read_cpu(names: dict[int, str]) -> dict[int, tuple[str, float | None]]:
-    return {pid: (name, cpu_seconds(pid)) for pid, name in names.items()}
-
-
-def idle_cores(core: int) -> dict[str, float]:
-    """Cores each cluster process keeps busy over IDLE_S seconds with nothing to do: the part
-    of its per-token CPU that is not per token."""
-    names = cluster_processes(core)
-    start = read_cpu(names)
-    time.sleep(IDLE_S)
-    return {c["name"]: c["cores"] for c in cpu_use(start, read_cpu(names), 0, IDLE_S)}
-
-
-def machine_busy() -> float:
-    """CPU seconds every core of the machine has spent busy (/proc/stat: user, nice, system,
-    irq, softirq), whoever it was for."""
-    with open("/proc/stat") as f:
-        user, nice, system, _, _, irq, softirq = map(int, f.readline().split()[1:8])
-    return (user + nice + system + irq + softirq) / CLOCK_TICK
-
-
-# ---- the load ---------------------------------------------------------------------------
-
-def poisson_arrivals(rate: float, seconds: float, rng: random.Random) -> list[float]:
-    """Arrival times in [0, seconds) of a Poisson process of `rate` per second."""
-    times, t = [], rng.expovariate(rate)
-    while t < seconds:
-        times.append(t)
-        t += rng.expovariate(rate)
-    return times
-
-
-def draw_request(rng: random.Random, spec: dict[str, Any]) -> tuple[list[int], int]:
-    """(prompt token ids, output length) of one request."""
-    n, out = spec["prompt_len"], spec["output_len"]
-    if spec["len_dist"] == "uniform":
-        n = rng.randint(max(1, n // 2), n * 3 // 2)
-        out = rng.randint(max(1, out // 2), out * 3 // 2)
-    return [rng.randrange(LOWEST_PROMPT_ID, spec["vocab_size"]) for _ in range(n)], out
-
-
-class ZmqLoad:
-    """Streams through siding's own client."""
-
-    def __init__(self, endpoint: str):
-        self.client = AsyncClient(endpoint)
-
-    async def connect(self) -> None:
-        await self.client.status()
-
-    async def stream(self, prompt: list[int], output_len: int) -> AsyncIterator[int]:
-        """The number of tokens in each chunk that has any."""
-        async for chunk in self.client.stream(prompt_token_ids=prompt, max_tokens=output_len,
-                                              ignore_eos=True):
-            if chunk.token_ids:
-                yield len(chunk.token_ids)
-
-    async def close(self) -> None:
-        await self.client.close()
-
-
-class HttpLoad:
-    """Streams through the OpenAI API with the official client, as an application would."""
-
-    def __init__(self, url: str):
-        import openai
-
-        try:  # what the openai client is built on: httpx, or its successor httpx2
-            import httpx2 as httpx
-        except ImportError:
-            import httpx
-
-        self.errors = (openai.APIError,)
-        # One client for every stream of a process, as an application keeps one: a pool with
-        # a connection per stream.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self.client = openai.AsyncOpenAI(
-            base_url=url + "/v1", api_key="bench", max_retries=0, timeout=DRAIN_S * 2,
-            http_client=openai.DefaultAsyncHttpxClient(limits=limits))
-        self.model = ""
-
-    async def connect(self) -> None:
-        self.model = (await self.client.models.list()).data[0].id
-
-    async def stream(self, prompt: list[int], output_len: int) -> AsyncIterator[int]:
-        stream = await self.client.completions.create(
-            model=self.model, prompt=prompt, max_tokens=output_len, temperature=0.0,
-            stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
-        try:
-            async for chunk in stream:
-                for c in chunk.choices:
-                    if n := len(c.model_extra.get("token_ids") or ()):
-                        yield n
-        finally:
-            await stream.close()
-
-    async def close(self) -> None:
-        await self.client.close()
-
-
-def load_clients(api: str, endpoints: list[str], keys) -> dict[Any, ZmqLoad | HttpLoad]:
-    """A client for each of `keys` (closed loop: each stream; open: each endpoint), key i on
-    endpoint i % N: a socket each for siding's client, one shared pool per endpoint for HTTP."""
-    keys = list(keys)
-    if api == "zmq":
-        return {k: ZmqLoad(endpoints[i % len(endpoints)]) for i, k in enumerate(keys)}
-    shared = {e: HttpLoad(e) for e in endpoints}
-    return {k: shared[endpoints[i % len(endpoints)]] for i, k in enumerate(keys)}
-
-
-async def one_request(client: ZmqLoad | HttpLoad, records: list[dict[str, Any]], who: int,
-                      prompt: list[int], output_len: int) -> None:
-    """Stream one request, recording into a record listed before it is sent, so that one cut
-    off (cancelled) still shows what it got, with `end` None."""
-    chunks: list[list[float]] = []  # [monotonic seconds, tokens in the chunk]
-    rec = {"client": who, "sent": time.monotonic(), "end": None, "chunks": chunks,
-           "prompt_len": len(prompt), "output_len": output_len, "error": None}
-    records.append(rec)
-    try:
-        async for n in client.stream(prompt, output_len):
-            chunks.append([time.monotonic(), n])
-    except RequestError as e:
-        rec["error"] = e.code
-    except Exception as e:  # the OpenAI client's errors
-        if not isinstance(client, HttpLoad) or not isinstance(e, client.errors):
-            raise
-        rec["error"] = type(e).__name__
-    rec["end"] = time.monotonic()
-
-
-async def closed_client(client: ZmqLoad | HttpLoad, records: list[dict[str, Any]], c: int,
-                        spec: dict[str, Any], start: float, t0: float, t1: float | None) -> None:
-    """Requests one after another from `start`, until `t1`, or until `requests_per_client`
-    were sent from `t0` on."""
-    rng = random.Random(f"{spec['seed']}-closed-{c}")
-    limit, counted = spec["requests_per_client"], 0
-    await asyncio.sleep(max(0.0, start - time.monotonic()))
-    while (t1 is None or time.monotonic() < t1) and (limit is None or counted < limit):
-        if time.monotonic() >= t0:
-            counted += 1
-        await one_request(client, records, c, *draw_request(rng, spec))
-
-
-async def run_load(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """One client process's share of a point, from `spec["begin"]` on."""
-    endpoints, begin = spec["endpoints"], spec["begin"]
-    t0 = begin + spec["warmup"]
-    t1 = None if spec["duration"] is None else t0 + spec["duration"]
-    records: list[dict[str, Any]] = []
-    if spec["mode"] == "closed":
-        clients = load_clients(spec["api"], endpoints, spec["clients"])
-        n = spec["concurrency"]
-        tasks = [closed_client(client, records, c, spec, begin + spec["warmup"] / 2 * c / n,
-                               t0, t1) for c, client in clients.items()]
-    else:
-        clients = load_clients(spec["api"], endpoints, range(len(endpoints)))
-        tasks = [open_arrivals(clients, records, spec)]
-    unique = list({id(c): c for c in clients.values()}.values())
-    for client in unique:
-        await client.connect()  # before the clock starts
-    deadline = None if t1 is None else t1 + DRAIN_S - time.monotonic()
-    try:
-        await asyncio.wait_for(asyncio.gather(*tasks), deadline)
-    except asyncio.TimeoutError:
-        pass  # the cut-off requests are aborted and keep `end` None
-    for client in unique:
-        await client.close()
-    return records
-
-
-async def open_arrivals(clients: dict[int, ZmqLoad | HttpLoad], records: list[dict[str, Any]],
-                        spec: dict[str, Any]) -> None:
-    tasks = []
-    for j, at in spec["arrivals"]:
-        await asyncio.sleep(max(0.0, spec["begin"] + at - time.monotonic()))
-        rng = random.Random(f"{spec['seed']}-open-{j}")
-        tasks.append(asyncio.create_task(
-            one_request(clients[j % len(clients)], records, j, *draw_request(rng, spec))))
-    await asyncio.gather(*tasks)
-
-
-def client_main() -> None:
-    """A client process: a spec line on stdin, "ready", a go line with the start time, then the
-    load; "done" when it is over, then its records as one JSON line."""
-    spec = json.loads(sys.stdin.readline())
-    print("ready", flush=True)
-    spec["begin"] = float(sys.stdin.readline())
-    records = asyncio.run(run_load(spec))
-    print("done", flush=True)
-    print(json.dumps(records), flush=True)
 
 
 def run_point(spec: dict[str, Any], procs: int, core: int) -> dict[str, Any]:
@@ -366,7 +113,7 @@ def run_point(spec: dict[str, Any], procs: int, core: int) -> dict[str, Any]:
         else:
             share["arrivals"] = spec["arrivals"][k::procs]
         shares.append(share)
-    clients = [subprocess.Popen([sys.executable, "-m", "benchmarks.serve", "--client"],
+    clients = [subprocess.Popen([sys.executable, "-m", "benchmarks.serve_load"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                for _ in shares]
     try:
@@ -417,17 +164,6 @@ def expect(proc: subprocess.Popen, word: str) -> None:
     if line != word:
         raise RuntimeError(f"a client process said {line!r} where {word!r} was due (its "
                            "errors, if any, are above)")
-
-
-def cpu_by_kind(cpu: list[dict[str, Any]], tokens: int) -> dict[str, float | None]:
-    """CPU microseconds per token of the cluster's core, frontends, workers, other processes,
-    and of all but the workers; None where nothing was measured (no such process, one gone, no
-    tokens). The bench's own clients are not the cluster's."""
-    kinds = {kind: [p["cpu_s"] for p in cpu if p["name"].startswith(kind)]
-             for kind in ("core", "frontend", "worker", "other")}
-    kinds["non_worker"] = kinds["core"] + kinds["frontend"] + kinds["other"]
-    return {f"{kind}_us_per_token": None if not used or None in used or not tokens
-            else sum(used) * 1e6 / tokens for kind, used in kinds.items()}
 
 
 def summarise(records: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any]:
@@ -600,9 +336,6 @@ def default_procs(streams: int) -> int:
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["--client"]:
-        client_main()
-        return
     a = parse_args(argv)
     stamp = timestamp()
     device = torch.device(a.device.split(",")[0])

@@ -105,7 +105,7 @@ class EngineCore:
         self.next_step = 0
         self.forward_seconds = [0.0, 0]  # the last stage's forward time: sum, steps
         self.draining = False
-        self.failed: str | None = None  # why the workers are down, while they are
+        self.outage_reason: str | None = None  # why the workers are down, while they are
         self.outage_since: float | None = None  # when the workers went down, while they are
         self.retry_at: float | None = None  # when halted workers are started again
         self.model = None
@@ -138,7 +138,7 @@ class EngineCore:
         self.frontends.serve(Serve(model=self.model, kv_pages=w.kv_pages, page_size=w.page_size,
                                    exact=w.exact))
         self.metrics.workers_up.set(self.workers.n_up)
-        self.outage_since = self.failed = None
+        self.outage_since = self.outage_reason = None
         log.info("%d workers ready", self.workers.n_up)
 
     def close(self) -> None:
@@ -227,7 +227,7 @@ class EngineCore:
         elif isinstance(msg, Status):
             self.frontends.send(h.index, StatusReply(status=cluster_status(
                 self.config, self.model, self.scheduler, self.workers, self.frontends,
-                self.metrics, self.forward_seconds, self.failed, self.draining)))
+                self.metrics, self.forward_seconds, self.outage_reason, self.draining)))
         elif isinstance(msg, Report):
             self.requests.report(msg)
 
@@ -341,7 +341,7 @@ class EngineCore:
         log.error("%s; restarting the workers%s, sequences will recompute", reason,
                   f" in {delay:.0f} s" if delay else "")
         self.outage_since = self.outage_since or now
-        self.failed = f"{reason}; waiting for the workers"
+        self.outage_reason = f"{reason}; waiting for the workers"
         self.inflight.clear()
         self.metrics.preemptions.labels(action="recompute").inc(self.scheduler.recompute_all())
         if delay:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from protocol.wire import MAX_MESSAGE_BYTES, encode
 
 from .config import CoordinatorConfig
 from .http import address
+from .ports import bind
 
 log = logging.getLogger("siding.coordinator")
 
@@ -31,21 +31,14 @@ OUTPUT_HWM = 1_000_000  # queued outputs per frontend; a frontend never stops re
 
 
 def check_free(flag: str, endpoint: str) -> None:
-    """OSError naming `flag` if a tcp:// endpoint's port is taken (a bind as ZeroMQ's, with
-    SO_REUSEADDR, released at once; `*` ports and ipc:// are not checked)."""
+    """OSError naming `flag` if a tcp:// endpoint's port is taken (a bind as ZeroMQ's, released
+    at once; `*` ports and ipc:// are not checked)."""
     transport, _, address = endpoint.partition("://")
     host, _, port = address.rpartition(":")
     if transport != "tcp" or port == "*":
         return
     host = host.removeprefix("[").removesuffix("]")
-    host = "0.0.0.0" if host == "*" else host
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, int(port)))
-        except OSError as e:
-            raise OSError(f"{flag} {endpoint}: cannot listen on {host}:{port}: "
-                          f"{e.strerror}") from None
+    bind(flag, endpoint, "0.0.0.0" if host == "*" else host, int(port)).close()
 
 
 @dataclass(eq=False)

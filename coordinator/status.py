@@ -15,7 +15,7 @@ from .worker_group import WorkerGroup
 
 def cluster_status(config: CoordinatorConfig, model: ModelInfo | None, scheduler: Scheduler,
                    workers: WorkerGroup, frontends: FrontendGroup, metrics: CoordinatorMetrics,
-                   forward_seconds: list[float], failed: str | None = None,
+                   forward_seconds: list[float], outage_reason: str | None = None,
                    draining: bool = False) -> dict:
     s = scheduler
     total, steps = forward_seconds
@@ -28,7 +28,7 @@ def cluster_status(config: CoordinatorConfig, model: ModelInfo | None, scheduler
         "exact": config.worker.exact,
         "workers": described,
         "workers_up": workers.n_up,
-        "failed": failed,  # why the cluster cannot serve, if it cannot
+        "failed": outage_reason,  # why the cluster cannot serve, if it cannot
         "draining": draining,
         "frontends": frontends.describe(),
         **metrics.figures(),

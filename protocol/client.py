@@ -26,8 +26,8 @@ from .messages import (
     Result,
     Status,
     StatusReply,
-    from_header,
 )
+from .schema import from_header
 from .security import secure_client
 from .wire import MAX_MESSAGE_BYTES, decode, encode
 

@@ -29,10 +29,8 @@ from .messages import (
     Sampling,
     SeqPlan,
     Step,
-    _field,
-    from_header,
-    to_header,
 )
+from .schema import from_header, to_header, wire_field
 
 COLUMNS = 5  # id, start, n, sample, pages added
 FRAMES = 3
@@ -41,21 +39,21 @@ _SWAP = sys.byteorder != "little"  # the frames are little-endian
 
 @dataclass(slots=True)
 class SeqSampling:
-    seq: int = _field(lo=0, hi=MAX_LIST - 1)  # the sequence's index in the step
-    sampling: Sampling = _field()
+    seq: int = wire_field(lo=0, hi=MAX_LIST - 1)  # the sequence's index in the step
+    sampling: Sampling = wire_field()
 
 
 @dataclass(slots=True)
 class StepHeader:
-    step: int = _field(lo=0)
-    n_seqs: int = _field(0, lo=0, hi=MAX_LIST)
-    n_pages: int = _field(0, lo=0, hi=MAX_TOKENS_LIST)
-    n_tokens: int = _field(0, lo=0, hi=MAX_TOKENS_LIST)
-    sampling: list[SeqSampling] = _field([], max_len=MAX_LIST)
-    free: list[int] = _field([], max_len=MAX_LIST)
-    park: list[PageMove] = _field([], max_len=MAX_LIST)
-    restore: list[PageMove] = _field([], max_len=MAX_LIST)
-    copies: list[PageCopy] = _field([], max_len=MAX_LIST)
+    step: int = wire_field(lo=0)
+    n_seqs: int = wire_field(0, lo=0, hi=MAX_LIST)
+    n_pages: int = wire_field(0, lo=0, hi=MAX_TOKENS_LIST)
+    n_tokens: int = wire_field(0, lo=0, hi=MAX_TOKENS_LIST)
+    sampling: list[SeqSampling] = wire_field([], max_len=MAX_LIST)
+    free: list[int] = wire_field([], max_len=MAX_LIST)
+    park: list[PageMove] = wire_field([], max_len=MAX_LIST)
+    restore: list[PageMove] = wire_field([], max_len=MAX_LIST)
+    copies: list[PageCopy] = wire_field([], max_len=MAX_LIST)
 
 
 def _ints(values: Any) -> array:

@@ -14,7 +14,8 @@ import msgpack
 import zmq
 
 from .errors import ProtocolError
-from .messages import FRAMES, MESSAGES, MsgType, Step, from_header, to_header
+from .messages import FRAMES, MESSAGES, MsgType, Step
+from .schema import from_header, to_header
 from .step_frames import FRAMES as STEP_FRAMES
 from .step_frames import decode_step, encode_step
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 
+from ..ports import bind
+
 
 def parse_address(address: str) -> tuple[str, int]:
     text = address.strip().removeprefix("http://").rstrip("/")
@@ -28,19 +30,8 @@ def url(host: str, port: int) -> str:
 def listen(address: str) -> socket.socket:
     """A listening TCP socket for `address`, inheritable: every frontend accepts on it, so a
     port in use fails here, once, with the flag named."""
-    host, port = parse_address(address)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on sockets that say TCP, and
-    # without it every response waits out the client's delayed ACK (40 ms).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(1024)
-    except OSError as e:
-        sock.close()
-        raise OSError(f"--http {address}: cannot listen on {host}:{port}: "
-                      f"{e.strerror}") from None
+    sock = bind("--http", address, *parse_address(address))
+    sock.listen(1024)
     sock.set_inheritable(True)
     return sock
 

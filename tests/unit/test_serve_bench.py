@@ -12,35 +12,35 @@ import time
 
 import pytest
 
-from benchmarks import serve
+from benchmarks import proc_cpu, serve, serve_load
 
 
 def test_poisson_arrivals_repeat_with_the_seed_and_average_the_rate():
-    times = serve.poisson_arrivals(50.0, 100.0, random.Random(7))
-    assert times == serve.poisson_arrivals(50.0, 100.0, random.Random(7))
-    assert times != serve.poisson_arrivals(50.0, 100.0, random.Random(8))
+    times = serve_load.poisson_arrivals(50.0, 100.0, random.Random(7))
+    assert times == serve_load.poisson_arrivals(50.0, 100.0, random.Random(7))
+    assert times != serve_load.poisson_arrivals(50.0, 100.0, random.Random(8))
     assert times == sorted(times) and 0 < times[0] and times[-1] < 100.0
     assert abs(len(times) - 5000) < 300  # 4 standard deviations of a Poisson count of 5000
 
 
 def test_requests_are_fixed_or_uniform_in_half_to_three_halves_with_ids_from_100():
     spec = {"prompt_len": 20, "output_len": 8, "len_dist": "fixed", "vocab_size": 130}
-    ids, out = serve.draw_request(random.Random(0), spec)
+    ids, out = serve_load.draw_request(random.Random(0), spec)
     assert (len(ids), out) == (20, 8) and all(100 <= i < 130 for i in ids)
     rng = random.Random(0)
-    drawn = [serve.draw_request(rng, spec | {"len_dist": "uniform"}) for _ in range(400)]
+    drawn = [serve_load.draw_request(rng, spec | {"len_dist": "uniform"}) for _ in range(400)]
     assert {len(ids) for ids, _ in drawn} == set(range(10, 31))
     assert {out for _, out in drawn} == set(range(4, 13))
 
 
 def test_proc_cpu_seconds_of_this_process_match_process_time_and_the_machine_counts_them():
-    before, machine = serve.cpu_seconds(os.getpid()), serve.machine_busy()
+    before, machine = proc_cpu.cpu_seconds(os.getpid()), proc_cpu.machine_busy()
     clock = time.process_time()
     while time.process_time() - clock < 0.3:
         pass
-    used = serve.cpu_seconds(os.getpid()) - before
+    used = proc_cpu.cpu_seconds(os.getpid()) - before
     assert used == pytest.approx(time.process_time() - clock, abs=0.05)
-    assert serve.machine_busy() - machine > used - 0.05
+    assert proc_cpu.machine_busy() - machine > used - 0.05
 
 
 def test_cluster_processes_name_workers_by_rank_and_frontends_below_the_core():
@@ -49,7 +49,7 @@ def test_cluster_processes_name_workers_by_rank_and_frontends_below_the_core():
                 subprocess.Popen([*sleep, "-m", "coordinator.frontend", "--index", "1"]),
                 subprocess.Popen(sleep)]
     try:
-        names = serve.cluster_processes(os.getpid())
+        names = proc_cpu.cluster_processes(os.getpid())
     finally:
         for child in children:
             child.kill()
@@ -57,23 +57,23 @@ def test_cluster_processes_name_workers_by_rank_and_frontends_below_the_core():
     assert names[os.getpid()] == "core"
     assert [names[c.pid] for c in children] == ["worker 3", "frontend 1",
                                                 f"other {children[2].pid}"]
-    assert serve.cpu_seconds(children[0].pid) is None  # gone
+    assert proc_cpu.cpu_seconds(children[0].pid) is None  # gone
 
 
 def test_cpu_per_token_counts_a_new_process_whole_and_a_gone_one_as_unknown():
     start = {1: ("core", 1.0), 2: ("worker 0", 5.0), 3: ("other 3", 2.0)}
     end = {1: ("core", 1.5), 2: ("worker 0", 7.0), 3: ("other 3", None),
            4: ("frontend 0", 0.25), 5: ("bench client 0", 0.75)}
-    cpu = serve.cpu_use(start, end, tokens=1000, window=2.0)
+    cpu = proc_cpu.cpu_use(start, end, tokens=1000, window=2.0)
     assert [(c["name"], c["cpu_s"], c["us_per_token"], c["cores"]) for c in cpu] == [
         ("core", 0.5, 500.0, 0.25), ("worker 0", 2.0, 2000.0, 1.0), ("other 3", None, None, None),
         ("frontend 0", 0.25, 250.0, 0.125), ("bench client 0", 0.75, 750.0, 0.375)]
-    assert serve.cpu_by_kind(cpu, 1000) == {
+    assert proc_cpu.cpu_by_kind(cpu, 1000) == {
         "core_us_per_token": 500.0, "frontend_us_per_token": 250.0,
         "worker_us_per_token": 2000.0, "other_us_per_token": None,
         "non_worker_us_per_token": None}
-    assert serve.cpu_by_kind(cpu[:2], 1000)["non_worker_us_per_token"] == 500.0
-    assert serve.cpu_by_kind(cpu[:2], 1000)["frontend_us_per_token"] is None
+    assert proc_cpu.cpu_by_kind(cpu[:2], 1000)["non_worker_us_per_token"] == 500.0
+    assert proc_cpu.cpu_by_kind(cpu[:2], 1000)["frontend_us_per_token"] is None
 
 
 def test_window_counts_its_tokens_and_times_the_requests_sent_in_it():
