@@ -56,8 +56,8 @@ class StepHeader:
     copies: list[PageCopy] = wire_field([], max_len=MAX_LIST)
 
 
-def _ints(values: Any) -> array:
-    a = array("q", values)
+def _little(a: array) -> array:
+    """An int64 array in the frames' byte order (in place), or back from it."""
     if _SWAP:
         a.byteswap()
     return a
@@ -71,15 +71,12 @@ def encode_step(step: Step) -> tuple[dict, list[array]]:
         pages.extend(s.pages_add)
         if s.sampling is not None:
             sampling.append({"seq": i, "sampling": to_header(s.sampling)})
-    if _SWAP:
-        cols.byteswap()
-        pages.byteswap()
     header = {"step": step.step, "n_seqs": len(step.seqs), "n_pages": len(pages),
               "n_tokens": len(step.token_ids), "sampling": sampling, "free": step.free,
               "park": [to_header(m) for m in step.park],
               "restore": [to_header(m) for m in step.restore],
               "copies": [to_header(c) for c in step.copies]}
-    return header, [cols, pages, _ints(step.token_ids)]
+    return header, [_little(cols), _little(pages), _little(array("q", step.token_ids))]
 
 
 def _column(frame: memoryview, n: int, what: str) -> array:
@@ -88,8 +85,7 @@ def _column(frame: memoryview, n: int, what: str) -> array:
                             f"{n} int64 values")
     a = array("q")
     a.frombytes(frame if frame.format == "B" else frame.cast("B"))
-    if _SWAP:
-        a.byteswap()
+    _little(a)
     if n and min(a) < 0:
         raise ProtocolError(f"STEP's {what} must not be negative")
     return a

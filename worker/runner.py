@@ -56,10 +56,7 @@ class ModelRunner:
         for m in plan.restore:
             if any(not 0 <= p < self.pool.n_pages for p in m.kept):
                 raise SequenceFault(m.id, "page id out of range")
-            if m.slots or m.pages:
-                self._fault(m.id, self.park.restore, m.id, m.slots, m.pages)
-            else:  # every page stayed resident or was found cached
-                self.park.drop(m.id)
+            self._fault(m.id, self.park.restore, m.id, m.slots, m.pages)
             self.tables[m.id] = list(m.kept) + list(m.pages)
         self.park_seconds = time.perf_counter() - t0 if plan.park or plan.restore else 0.0
         for c in plan.copies:

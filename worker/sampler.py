@@ -18,10 +18,9 @@ import torch
 from .batch import device_ints
 
 _MASK64 = (1 << 64) - 1
-# splitmix64's constants as signed int64 (tensor arithmetic is signed; multiplication wraps)
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
-_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX2 = 0x94D049BB133111EB - (1 << 64)
+GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's
+# the same as signed int64, for tensor arithmetic (signed; multiplication wraps)
+_GOLDEN_I64, _MIX1_I64, _MIX2_I64 = (c - (1 << 64) for c in (GOLDEN, MIX1, MIX2))
 
 
 @dataclass(frozen=True)
@@ -38,9 +37,9 @@ class SamplingParams:
 
 def draw_seed(seed: int, position: int) -> int:
     """splitmix64 of (seed, position), folded into [0, 2^63): a row's key."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z = (seed * GOLDEN + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * MIX2) & _MASK64
     return (z ^ (z >> 31)) >> 1
 
 
@@ -52,10 +51,10 @@ def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
 def uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """keys [N] int64 -> [N, vocab] float32 in (0, 1): splitmix64 of (key, index), the top 24
     bits of each hash, centred in its interval."""
-    z = keys[:, None] * _GOLDEN + torch.arange(1, vocab + 1, dtype=torch.int64,
-                                               device=keys.device)[None, :]
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
+    z = keys[:, None] * _GOLDEN_I64 + torch.arange(1, vocab + 1, dtype=torch.int64,
+                                                   device=keys.device)[None, :]
+    z = (z ^ _shr(z, 30)) * _MIX1_I64
+    z = (z ^ _shr(z, 27)) * _MIX2_I64
     z = z ^ _shr(z, 31)
     return (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
@@ -75,13 +74,13 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], positions:
     floats = array("q")
     floats.frombytes(array("d", [v for p in ps for v in (
         p.temperature, p.top_p if p.top_p < 1.0 else 2.0)]).tobytes())
+    top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in ps]  # 0: no top-k
     rows, keys, ks, floats = device_ints(
-        [drawn, [draw_seed(p.seed, positions[i]) for p, i in zip(ps, drawn)],
-         [p.top_k if 0 < p.top_k < vocab else 0 for p in ps], floats.tolist()], dev)
+        [drawn, [draw_seed(p.seed, positions[i]) for p, i in zip(ps, drawn)], top_ks,
+         floats.tolist()], dev)
     floats = floats.view(torch.float64).float().view(-1, 2)
     x = logits[rows] / floats[:, :1]
-    k_max = max(p.top_k if 0 < p.top_k < vocab else 0 for p in ps)
-    if k_max:
+    if k_max := max(top_ks):
         kth = torch.topk(x, k_max, dim=-1).values.gather(1, (ks.clamp(min=1) - 1)[:, None])
         x = x.masked_fill((ks > 0)[:, None] & (x < kth), float("-inf"))
     probs = torch.softmax(x, dim=-1)

@@ -65,8 +65,8 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
     t, n = x.shape
     if x.stride(1) != 1 or y.stride(1) != 1:
         x, y = x.contiguous(), y.contiguous()
-    total, out = torch.empty(t, n, dtype=x.dtype, device=x.device), torch.empty(
-        t, n, dtype=x.dtype, device=x.device)
+    total = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(total)
     if t:
         _add_rms_norm_kernel[(t,)](x, y, weight, total, out, x.stride(0), y.stride(0), n, eps,
                                    BLOCK=triton.next_power_of_2(n))

@@ -42,7 +42,11 @@ class ParkStore:
 
     def restore(self, seq_id: int, slots: list[int], pages: list[int]) -> int:
         """Copy `slots`, the last of those the sequence's park filled (its leading pages may
-        have been found elsewhere since), back into `pages`; returns bytes moved."""
+        have been found elsewhere since), back into `pages`; returns bytes moved. No slots and
+        no pages: every page stayed resident or was found cached, and the park is forgotten."""
+        if not slots and not pages:
+            self.drop(seq_id)
+            return 0
         record = self.records.get(seq_id)
         if record is None or not slots or record[len(record) - len(slots):] != list(slots):
             raise ProtocolError(f"sequence {seq_id}: the park store does not hold slots {slots}")
