@@ -44,6 +44,11 @@ class PageAllocator:
         """Pages some sequence holds."""
         return self.n_pages - self.n_free
 
+    @property
+    def n_unused(self) -> int:
+        """Pages that can be allocated without evicting a cached one."""
+        return len(self.free_pages)
+
     def can_allocate(self, n: int) -> bool:
         return n <= self.n_free
 

@@ -76,7 +76,8 @@ class StepOutput:
 class Scheduler:
     def __init__(self, allocator: PageAllocator, park_slots: PageAllocator, page_size: int,
                  max_batch_seqs: int, max_batch_tokens: int, preempt_every: int = 0,
-                 prefill_hold: float = 0.0, prefix_cache: PrefixCache | None = None):
+                 prefill_hold: float = 0.0, prefix_cache: PrefixCache | None = None,
+                 lookahead: int = 0):
         self.allocator = allocator
         self.park_slots = park_slots
         self.page_size = page_size
@@ -85,6 +86,9 @@ class Scheduler:
         self.preempt_every = preempt_every  # test knob: park everyone every K decode steps
         self.prefill_hold = prefill_hold  # seconds new prompts may wait while others decode
         self.cache = prefix_cache  # None: every prompt is computed in full
+        # positions past a decoding sequence's next one given pages while some are free: room
+        # for the steps a worker enqueues before their plans arrive (worker/overlap.py)
+        self.lookahead = lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.parked: deque[Sequence] = deque()  # oldest parked first
@@ -106,6 +110,7 @@ class Scheduler:
         return bool(self.waiting or self.running or self.parked)
 
     def pages_needed(self, seq: Sequence, n: int) -> int:
+        """Pages `seq` lacks for `n` more positions (negative: it holds more)."""
         return pages_for(seq.n_computed + n, self.page_size) - len(seq.pages)
 
     def add_request(self, req: Request) -> None:
@@ -300,6 +305,8 @@ class Scheduler:
             if self._reserve(seq, n):
                 out.batch.append((seq, n))
                 budget -= n
+                if self.lookahead and seq.n_remaining == 1:
+                    self._reserve_ahead(seq)
         if out.parks or out.recomputed:
             return out  # never restore or admit in the step that had to make room
         while self.parked and len(out.batch) < self.max_batch_seqs and budget > 0:
@@ -426,11 +433,21 @@ class Scheduler:
         parent.fork_at, parent.children = None, []
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
-        need = self.pages_needed(seq, n)
+        need = max(0, self.pages_needed(seq, n))  # pages reserved ahead may cover it already
         if not self.allocator.can_allocate(need):
             return False
         seq.pages += self.allocator.allocate(need)
         return True
+
+    def _reserve_ahead(self, seq: Sequence) -> None:
+        """Pages for the `lookahead` positions after a decoding sequence's next one (no further
+        than its length allows), from free pages only: never by evicting a cached prefix, never
+        by preempting anyone."""
+        left = min(seq.request.params.max_tokens - seq.n_generated,
+                   self.max_context - len(seq.token_ids))
+        need = self.pages_needed(seq, 1 + min(self.lookahead, left - 1))
+        if 0 < need <= self.allocator.n_unused:
+            seq.pages += self.allocator.allocate(need)
 
     @staticmethod
     def _rank(seq: Sequence) -> tuple:

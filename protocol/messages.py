@@ -179,6 +179,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_PAGES = 1 << 24  # KV pages or park slots of one pool
 KV_MODES = ("device", "host")
 OVERLAP = ("auto", "on", "off")
+# Decode steps an overlapping worker keeps enqueued before their plans arrive (worker/overlap.py);
+# the coordinator gives decoding sequences pages this many positions ahead, while pages are free.
+STEPS_AHEAD = 2
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from .kv.park_store import ParkStore
 from .kv.transport import make_transport
 from .loaders import ModelSource, resolve
 from .metrics import WorkerMetrics
-from .overlap import overlap_enabled
+from .overlap import steps_ahead
 from .runner import ModelRunner
 
 log = logging.getLogger("siding.worker")
@@ -49,7 +49,7 @@ class BuiltWorker:
     layers: tuple[int, int]  # [start, end) of the model's layers
     dtype: torch.dtype
     runner: ModelRunner
-    overlap: bool  # decode steps enqueued on the last one's tokens (worker/overlap.py)
+    steps_ahead: int  # decode steps enqueued before their plans arrive (worker/overlap.py)
     kv_bytes_per_page: int
 
 
@@ -89,8 +89,8 @@ def build(config: WorkerConfig, rank: int, n_workers: int, device: str,
         else:
             graphs.prepare(c.max_batch_seqs)  # no request pays for a capture
     runner = ModelRunner(stage, pool, park, device, graphs)
-    return BuiltWorker(source, (start, end), dtype, runner, overlap_enabled(c.overlap, device),
-                       pool.bytes_per_page)
+    return BuiltWorker(source, (start, end), dtype, runner,
+                       steps_ahead(c.overlap, device, c.kv), pool.bytes_per_page)
 
 
 def check_memory(c: WorkerConfig, page_bytes: int, device: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -22,24 +23,29 @@ from .runner import ModelRunner, SequenceFault
 
 log = logging.getLogger("siding.worker")
 
+DEEPEN_AFTER = 8  # guesses used in a row before more than one step is kept ahead
+
 # A message to the coordinator; activations and their raw frames to the next stage.
 ToCoordinator = Callable[[object], None]
 ToNext = Callable[[Activations, list], None]
 
 
 class StepExecutor:
-    def __init__(self, runner: ModelRunner, rank: int, dtype: torch.dtype, overlap: bool,
+    def __init__(self, runner: ModelRunner, rank: int, dtype: torch.dtype, steps_ahead: int,
                  metrics: WorkerMetrics, to_coordinator: ToCoordinator, to_next: ToNext | None):
         self.runner = runner
         self.rank = rank
         self.dtype = dtype
         self.dtype_name = str(dtype).removeprefix("torch.")
         self.dim = runner.stage.args.dim
-        self.overlap = overlap
+        self.depth = steps_ahead if runner.first and runner.last else 0  # a stage of a split: none
         self.metrics = metrics
         self.to_coordinator = to_coordinator
         self.to_next = to_next
-        self.ahead: Ahead | None = None  # a step enqueued before its plan arrived
+        # steps enqueued before their plans arrived, oldest first, each on the one before's
+        # tokens (worker/overlap.py)
+        self.ahead: deque[Ahead] = deque()
+        self.used_streak = 0  # guesses used in a row: past DEEPEN_AFTER, `depth` are kept ahead
         self.last_plan: Step | None = None  # the last plan run, to tell a steady batch
         self.forward_seconds, self.steps = 0.0, 0  # forward passes so far (the heartbeats)
 
@@ -48,15 +54,21 @@ class StepExecutor:
         """Run `plan`; `upstream` is the previous stage's activations for it (None on the
         first stage; a bare Activations: that stage failed the step)."""
         runner = self.runner
-        ahead, self.ahead = self.ahead, None
         last, self.last_plan = self.last_plan, plan
         try:
-            if ahead is not None:
-                used = ahead.matches(plan)
-                self.metrics.ahead("used" if used else "dropped")
-                if used:  # its work is enqueued already
-                    self._overlapped(plan, ahead.tokens, ahead.started, follow_on(plan, runner))
+            if self.ahead:
+                ahead = self.ahead.popleft()
+                if ahead.matches(plan):  # its work is enqueued already
+                    self.metrics.ahead("used")
+                    self.used_streak += 1
+                    for s in plan.seqs:
+                        runner.add_pages(s)
+                    self._overlapped(plan, ahead.tokens, ahead.started)
                     return
+                for _ in range(1 + len(self.ahead)):  # those after it were enqueued on it
+                    self.metrics.ahead("dropped")
+                self.ahead.clear()
+                self.used_streak = 0
             meta = runner.apply(plan)
             if isinstance(upstream, Activations):
                 self.forward_failure(plan.step)
@@ -66,9 +78,8 @@ class StepExecutor:
                 raise ProtocolError(f"step {plan.step}: activations do not match the plan")
             t0 = time.perf_counter()
             out = runner.forward(plan, meta, hidden)
-            nxt = follow_on(plan, runner) if self.overlap and continues(last, plan) else None
-            if nxt is not None:
-                self._overlapped(plan, runner.draw(plan, meta, out), t0, nxt)
+            if self.depth and continues(last, plan):
+                self._overlapped(plan, runner.draw(plan, meta, out), t0)
             elif runner.last:
                 self._send_tokens(plan, *runner.sample(plan, meta, out), t0, runner.park_seconds)
             else:
@@ -78,6 +89,7 @@ class StepExecutor:
                 self.to_next(header, [out.view(torch.uint8).numpy()])
         except Exception as e:  # a bad plan or a failed kernel fails this step, not the worker
             log.exception("step %d failed", plan.step)
+            self.ahead.clear()
             culprits = [e.seq_id] if isinstance(e, SequenceFault) else []
             self.to_coordinator(StepError(step=plan.step, code="internal",
                                           message=f"worker {self.rank}: {e}", seq_ids=culprits))
@@ -93,12 +105,11 @@ class StepExecutor:
         if self.to_next is not None:
             self.to_next(Activations(step=step, dtype="", shape=[]), [b""])
 
-    def _overlapped(self, plan: Step, tokens: torch.Tensor, t0: float, nxt: Step | None
-                    ) -> None:
-        """Send `plan`'s tokens (on the device, maybe still being computed), and enqueue
-        `nxt`, the step that follows it (`follow_on`), if there is one: on a GPU before reading
-        the tokens, so that the device goes on while the host waits; on a CPU after sending
-        them (the forward pass is synchronous there)."""
+    def _overlapped(self, plan: Step, tokens: torch.Tensor, t0: float) -> None:
+        """Send `plan`'s tokens (on the device, maybe still being computed) and top up the steps
+        enqueued ahead of it, where they can be guessed: on a GPU before reading the tokens, so
+        that the device goes on while the host waits; on a CPU after sending them (the forward
+        pass is synchronous there)."""
         runner = self.runner
         park_seconds = runner.park_seconds  # the next step's apply resets it
         cuda = tokens.device.type == "cuda"
@@ -108,26 +119,42 @@ class StepExecutor:
         if cuda:
             done = torch.cuda.Event()
             done.record()
-        ids = [s.id for s in plan.seqs]  # every one samples (follow_on)
+        ids = [s.id for s in plan.seqs if s.sample]
         chosen = None
         if not cuda:
             chosen = host.tolist()
             self._send_tokens(plan, ids, chosen, t0, park_seconds)
-        guess = None
-        if nxt is not None:
-            try:
-                started = time.perf_counter()
-                nxt_meta = runner.apply(nxt)
-                out = runner.forward(nxt, nxt_meta, None, tokens)
-                guess = (runner.draw(nxt, nxt_meta, out), started)
-            except Exception:  # the plan itself is unharmed: the guess is dropped
-                log.exception("step %d: the step after it could not be enqueued", plan.step)
+        self._enqueue_ahead(plan, tokens)
         if cuda:
             done.synchronize()
             chosen = host.tolist()
             self._send_tokens(plan, ids, chosen, t0, park_seconds)
-        if guess is not None:
-            self.ahead = Ahead(nxt, chosen, *guess)
+        if self.ahead and self.ahead[0].inputs is None:  # the step after `plan`
+            self.ahead[0].inputs = chosen
+
+    def _enqueue_ahead(self, plan: Step, tokens: torch.Tensor) -> None:
+        """Enqueue the steps that follow `plan` (whose tokens are `tokens`, on the device) or the
+        last step already ahead of it: one while the batch keeps changing, `depth` once guesses
+        have been used DEEPEN_AFTER times in a row (each dropped guess is a step of device time,
+        and those enqueued after it are dropped with it)."""
+        runner = self.runner
+        if self.ahead:
+            plan, tokens = self.ahead[-1].plan, self.ahead[-1].tokens
+        depth = self.depth if self.used_streak >= DEEPEN_AFTER else min(self.depth, 1)
+        while len(self.ahead) < depth:
+            nxt = follow_on(plan, runner)
+            if nxt is None:
+                return
+            try:
+                started = time.perf_counter()
+                meta = runner.apply(nxt)
+                out = runner.forward(nxt, meta, None, tokens)
+                tokens = runner.draw(nxt, meta, out)
+            except Exception:  # the plans themselves are unharmed: the guess is not made
+                log.exception("step %d: the step after it could not be enqueued", plan.step)
+                return
+            self.ahead.append(Ahead(nxt, None, tokens, started))
+            plan = nxt
 
     def _send_tokens(self, plan: Step, seq_ids: list[int], tokens: list[int], t0: float,
                      park_seconds: float) -> None:

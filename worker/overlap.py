@@ -7,18 +7,25 @@ with `--kv host` so does the link once the layers primed for step N+1 have lande
 (docs/overlap-scheduling.md).
 
 So after enqueuing a decode step in which every sequence decodes, the worker also enqueues the
-step that would follow it (`follow_on`: each sequence one position on, its input the token just
+steps that would follow it (`follow_on`: each sequence one position on, its input the token just
 chosen, still on the device: greedy or drawn, since the draw is made on the device and keyed by
-(seed, position), worker/sampler.py) before it reads that token on the host. When the
-coordinator's plan arrives and is that step (`Ahead.matches`: the same sequences, positions and
-tokens, nothing freed, parked, restored, copied or added), its work is already on the device;
-otherwise it is dropped and the plan runs as usual. Only a worker whose last steps continued
-one another guesses (`continues`): right after the batch changed, it is likely to change again.
+(seed, position), worker/sampler.py) before it reads that token on the host: up to
+`STEPS_AHEAD` of them, each on the one before's tokens, so that a round trip to the coordinator
+longer than a step is hidden too (one on a CPU, where a guess is a whole synchronous step, and
+with host KV, whose staging ring was measured with one; `steps_ahead`). When
+the coordinator's plan arrives and is the first of them (`Ahead.matches`: the same sequences,
+positions and tokens, nothing freed, parked, restored or copied; pages it adds are taken), its
+work is already on the device; otherwise it and those after it are dropped and the plan runs as
+usual. Only a worker whose last steps continued one another guesses (`continues`): right after
+the batch changed, it is likely to change again. The coordinator gives decoding sequences their
+pages `STEPS_AHEAD` positions early while pages are free (coordinator/scheduler.py), so that a
+page boundary does not stop the guesses.
 
 A dropped step costs device time, never bytes: it computes what the real step would (the same
-rows of the same sequences on the same pages), and the K and V rows it writes one position past
-each context lie in the sequence's last page, which it owns alone (a fork copies the tail page),
-where the next step to reach that position writes again before anything reads it. Exact mode
+rows of the same sequences on the same pages), and the K and V rows it writes past each context
+lie in the sequence's last pages, which it owns alone (a fork copies the tail page; a cached page
+is a full one), where the next step to reach that position writes again before anything reads
+it. Exact mode
 keeps its guarantee: a row's bits do not depend on which step carried it.
 
 `--overlap` (`on`, `off`) decides it; `auto`, the default, turns it on for a CUDA device, where
@@ -32,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.messages import SeqPlan, Step
+from protocol.messages import STEPS_AHEAD, SeqPlan, Step
 
 from .runner import ModelRunner
 
@@ -42,6 +49,13 @@ def overlap_enabled(setting: str, device: torch.device | str) -> bool:
     if setting == "auto":
         return torch.device(device).type == "cuda"
     return setting == "on"
+
+
+def steps_ahead(setting: str, device: torch.device | str, kv: str) -> int:
+    """How many steps a worker keeps enqueued ahead: 0 without overlap."""
+    if not overlap_enabled(setting, device):
+        return 0
+    return STEPS_AHEAD if torch.device(device).type == "cuda" and kv == "device" else 1
 
 
 def continues(last: Step | None, plan: Step) -> bool:
@@ -71,16 +85,17 @@ class Ahead:
     """A step enqueued before its plan arrived."""
 
     plan: Step  # as guessed: its token ids are placeholders
-    inputs: list[int]  # the tokens it was enqueued on (the step before's, read since)
+    inputs: list[int] | None  # the tokens it was enqueued on (the step before's), once read
     tokens: torch.Tensor  # its tokens, on the device
     started: float  # perf_counter when it was enqueued: its forward time counts from there
 
     def matches(self, plan: Step) -> bool:
         """Whether `plan` is this step exactly: the same sequences at the same positions on
-        the same inputs, and nothing else to apply (no frees, parks, restores, copies, pages or
-        sampling parameters), so that skipping `apply` loses nothing."""
-        if plan.free or plan.park or plan.restore or plan.copies or plan.token_ids != self.inputs:
+        the same inputs, and nothing else to apply but pages added (no frees, parks, restores,
+        copies or sampling parameters), so that skipping the rest of `apply` loses nothing."""
+        if (plan.free or plan.park or plan.restore or plan.copies or self.inputs is None
+                or plan.token_ids != self.inputs):
             return False
         return len(plan.seqs) == len(self.plan.seqs) and all(
-            s.id == g.id and s.start == g.start and s.n == 1 and s.sample and not s.pages_add
-            and s.sampling is None for s, g in zip(plan.seqs, self.plan.seqs))
+            s.id == g.id and s.start == g.start and s.n == 1 and s.sample and s.sampling is None
+            for s, g in zip(plan.seqs, self.plan.seqs))

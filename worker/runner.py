@@ -7,7 +7,7 @@ import time
 import torch
 
 from protocol.errors import ProtocolError
-from protocol.messages import Step
+from protocol.messages import SeqPlan, Step
 
 from .batch import BatchMeta, build_meta, device_ints
 from .cuda_graphs import DecodeGraphs
@@ -65,10 +65,7 @@ class ModelRunner:
             self.pool.k[:, c.dst] = self.pool.k[:, c.src]
             self.pool.v[:, c.dst] = self.pool.v[:, c.src]
         for s in plan.seqs:
-            table = self.tables.setdefault(s.id, [])
-            if any(not 0 <= p < self.pool.n_pages for p in s.pages_add):
-                raise SequenceFault(s.id, "page id out of range")
-            table.extend(s.pages_add)
+            table = self.add_pages(s)
             if s.sampling is not None:
                 sp = s.sampling
                 self.sampling[s.id] = SamplingParams(sp.temperature, sp.top_p, sp.top_k, sp.seed)
@@ -81,6 +78,14 @@ class ModelRunner:
             [self.tables[s.id] for s in plan.seqs], [s.sample for s in plan.seqs],
             self.pool.page_size, self.device,
         )
+
+    def add_pages(self, s: SeqPlan) -> list[int]:
+        """Sequence `s`'s pages, with those the plan adds: its page table."""
+        if any(not 0 <= p < self.pool.n_pages for p in s.pages_add):
+            raise SequenceFault(s.id, "page id out of range")
+        table = self.tables.setdefault(s.id, [])
+        table.extend(s.pages_add)
+        return table
 
     @staticmethod
     def _fault(seq_id: int, fn, *args) -> None:

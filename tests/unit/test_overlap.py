@@ -9,10 +9,19 @@ import pytest
 import torch
 from helpers.ring import pools
 
-from protocol.messages import PageCopy, PageMove, Sampling, SeqPlan, Step, WorkerConfig
+from protocol.messages import (
+    STEPS_AHEAD,
+    PageCopy,
+    PageMove,
+    Sampling,
+    SeqPlan,
+    Step,
+    WorkerConfig,
+)
+from worker.executor import StepExecutor
 from worker.kv.park_store import ParkStore
 from worker.loaders.synthetic import SyntheticSource
-from worker.overlap import Ahead, continues, follow_on, overlap_enabled
+from worker.overlap import Ahead, continues, follow_on, overlap_enabled, steps_ahead
 from worker.runner import ModelRunner
 from worker.sampler import SamplingParams
 
@@ -63,8 +72,6 @@ def test_a_batch_is_steady_when_its_sequences_each_moved_one_position():
     {"park": [PageMove(id=4, pages=[1], slots=[0])]},
     {"restore": [PageMove(id=4, pages=[1], slots=[0])]},
     {"copies": [PageCopy(src=1, dst=2)]},
-    {"seqs": [SeqPlan(id=1, start=6, n=1, sample=True, pages_add=[7]),
-              SeqPlan(id=2, start=2, n=1, sample=True)]},
     {"seqs": [SeqPlan(id=1, start=6, n=1, sample=True, sampling=Sampling()),
               SeqPlan(id=2, start=2, n=1, sample=True)]},
     {"seqs": [SeqPlan(id=1, start=6, n=1, sample=True)], "token_ids": [101]},
@@ -79,6 +86,21 @@ def test_only_the_plan_it_guessed_uses_a_step_enqueued_ahead(change):
     assert ahead.matches(plan) == (not change)
 
 
+def test_a_guessed_step_takes_the_pages_its_plan_adds_and_waits_for_its_inputs():
+    guessed = follow_on(decode((1, 5), (2, 1)), runner())
+    plan = decode((1, 6), (2, 2), step=4)
+    plan.seqs[1].pages_add = [7]  # for later positions: the coordinator reserves them early
+    plan.token_ids = [101, 102]
+    assert Ahead(guessed, inputs=[101, 102], tokens=None, started=0.0).matches(plan)
+    assert not Ahead(guessed, inputs=None, tokens=None, started=0.0).matches(plan)
+
+
+def test_two_steps_ahead_only_on_a_cuda_device_with_device_kv():
+    assert steps_ahead("auto", "cuda:0", "device") == STEPS_AHEAD == 2
+    assert steps_ahead("auto", "cuda:0", "host") == 1 and steps_ahead("on", "cpu", "device") == 1
+    assert steps_ahead("auto", "cpu", "device") == 0 == steps_ahead("off", "cuda:0", "device")
+
+
 def test_overlap_is_on_by_default_for_cuda_and_refuses_a_bad_setting():
     assert overlap_enabled("auto", "cuda:0") and not overlap_enabled("auto", "cpu")
     assert overlap_enabled("on", "cpu") and not overlap_enabled("off", "cuda:0")
@@ -88,8 +110,8 @@ def test_overlap_is_on_by_default_for_cuda_and_refuses_a_bad_setting():
 
 
 def plans_after_a_guess() -> list[Step]:
-    """A (1), B (2) and E (4) prefill and decode two steps; a guess follows the second. Then A
-    is freed and its pages, the last one holding the guess's row, go to a new sequence C (3),
+    """A (1), B (2) and E (4) prefill and decode two steps; guesses follow the second. Then A
+    is freed and its pages, the last one holding the guesses' rows, go to a new sequence C (3),
     and E is parked, to be restored into other pages a step later."""
     return [
         Step(step=0, seqs=[SeqPlan(id=1, start=0, n=6, pages_add=[0, 1, 8], sample=True),
@@ -125,17 +147,82 @@ def decode_run(kv: str, depth: int, guess: bool) -> list[tuple[torch.Tensor, lis
         hidden = runner.forward(plan, meta, None)
         out.append((hidden, runner.sample(plan, meta, hidden)[1]))
         if guess and plan.step == 2:  # what a worker enqueues, and then drops
-            nxt = follow_on(plan, runner)
-            nxt_meta = runner.apply(nxt)
-            inputs = torch.tensor([9 + s.id for s in nxt.seqs])  # whatever it guessed
-            runner.draw(nxt, nxt_meta, runner.forward(nxt, nxt_meta, None, inputs))
+            nxt = plan
+            for _ in range(STEPS_AHEAD):
+                nxt = follow_on(nxt, runner)
+                nxt_meta = runner.apply(nxt)
+                inputs = torch.tensor([9 + s.id for s in nxt.seqs])  # whatever it guessed
+                runner.draw(nxt, nxt_meta, runner.forward(nxt, nxt_meta, None, inputs))
     return out
 
 
 @pytest.mark.parametrize("kv,depth", [("device", 0), ("host", 0), ("host", 1), ("host", 2)])
-def test_a_dropped_guess_leaves_no_trace(kv, depth):
-    """Its rows, one position past each context in pages that are then freed, reused, parked
-    and restored, change no bit of any later step."""
+def test_dropped_guesses_leave_no_trace(kv, depth):
+    """Their rows, past each context in pages that are then freed, reused, parked and
+    restored, change no bit of any later step."""
     plain, guessed = decode_run("device", 0, False), decode_run(kv, depth, True)
     for step, ((h1, t1), (h2, t2)) in enumerate(zip(plain, guessed, strict=True)):
         assert torch.equal(h1, h2) and t1 == t2, f"step {step}"
+
+
+def serve_decodes(depth: int) -> tuple[list[list[int]], list[str]]:
+    """A worker's executor as the coordinator drives it: two sequences prefill, then decode on
+    the tokens it sent back, given pages early (as the scheduler's lookahead does); at step 6
+    sequence 2 ends and is freed. Returns the tokens of each step and each guess's outcome."""
+    source = SyntheticSource("tiny")
+    a = source.args
+    stage = source.load_stage(0, a.n_layers, torch.float32, "cpu")
+    device, _ = pools(0, delay_ms=0.0, n_pages=16,
+                      shape=(a.n_layers, PAGE, a.n_kv_heads, a.head_dim))
+    runner = ModelRunner(stage, device, ParkStore(device, 4), "cpu")
+    sent, outcomes = [], []
+    metrics = SimpleNamespace(forward=lambda seconds: None, ahead=outcomes.append)
+    ex = StepExecutor(runner, 0, torch.float32, depth, metrics, sent.append, None)
+    ex.run(Step(step=0, seqs=[SeqPlan(id=1, start=0, n=5, pages_add=[0, 1], sample=True),
+                              SeqPlan(id=2, start=0, n=5, pages_add=[2, 3], sample=True)],
+                token_ids=[11, 12, 13, 14, 15, 21, 22, 23, 24, 25]), None)
+    extra = {2: ([4], [5]), 5: ([6], [7]), 8: ([8], [])}  # step -> pages added to 1, 2
+    for step in range(1, 11):
+        ids = [1] if step >= 6 else [1, 2]
+        add = extra.get(step, ([], []))
+        plan = Step(step=step, free=[2] if step == 6 else [],
+                    seqs=[SeqPlan(id=i, start=4 + step, n=1, pages_add=add[i - 1], sample=True)
+                          for i in ids],
+                    token_ids=sent[-1].tokens[:len(ids)])
+        ex.run(plan, None)
+        assert sent[-1].step == step and sent[-1].seq_ids == ids
+    return [r.tokens for r in sent], outcomes
+
+
+@pytest.mark.parametrize("depth,deepen_after,dropped", [
+    (1, 2, 1), (STEPS_AHEAD, 2, STEPS_AHEAD), (STEPS_AHEAD, 100, 1)])
+def test_steps_enqueued_ahead_give_the_tokens_of_plain_steps(monkeypatch, depth, deepen_after,
+                                                             dropped):
+    monkeypatch.setattr("worker.executor.DEEPEN_AFTER", deepen_after)
+    plain, none = serve_decodes(0)
+    tokens, outcomes = serve_decodes(depth)
+    assert tokens == plain and not none
+    # steps 2-5 were enqueued ahead and used (pages added or not), `depth` ahead from step 4 on
+    # if two in a row suffice; at step 6 the plan freed a sequence: the guess for it and those
+    # enqueued on it were dropped; step 6 ran plainly, a new batch, so guessing began again
+    # after step 7
+    assert outcomes == ["used"] * 4 + ["dropped"] * dropped + ["used"] * 3
+
+
+def test_a_stage_of_a_layer_split_runs_plain_steps_whatever_its_overlap():
+    source = SyntheticSource("tiny")
+    a = source.args
+    stage = source.load_stage(0, a.n_layers // 2, torch.float32, "cpu")
+    device, _ = pools(0, delay_ms=0.0, n_pages=16,
+                      shape=(a.n_layers // 2, PAGE, a.n_kv_heads, a.head_dim))
+    runner = ModelRunner(stage, device, ParkStore(device, 4), "cpu")
+    errors, forwarded = [], []
+    ex = StepExecutor(runner, 0, torch.float32, STEPS_AHEAD,
+                      SimpleNamespace(forward=lambda seconds: None, ahead=errors.append),
+                      errors.append, lambda header, frames: forwarded.append(header.shape))
+    ex.run(Step(step=0, seqs=[SeqPlan(id=1, start=0, n=3, pages_add=[0, 1], sample=True)],
+                token_ids=[5, 6, 7]), None)
+    for step in (1, 2, 3):
+        ex.run(Step(step=step, seqs=[SeqPlan(id=1, start=2 + step, n=1, sample=True)],
+                    token_ids=[8]), None)
+    assert not errors and forwarded == [[3, a.dim], [1, a.dim], [1, a.dim], [1, a.dim]]

@@ -54,6 +54,37 @@ def test_pages_are_counted_not_tokens():
     assert not s.schedule()  # position 8 needs a third page; the pool has two
 
 
+def test_decoding_sequences_get_pages_ahead_from_free_pages_only():
+    s = Scheduler(PageAllocator(4), PageAllocator(4), 4, 8, 64, lookahead=2)
+    seq = make_seq(0, 6)
+    s.add(seq)
+    finish_step(s.schedule())  # the prompt: positions 0-5, two pages
+    assert len(seq.pages) == 2
+    finish_step(s.schedule())  # decodes position 6, and 7-8 are ahead: a third page
+    assert len(seq.pages) == 3
+    for _ in range(3):  # positions 7-9, ahead up to 11
+        finish_step(s.schedule())
+    assert len(seq.pages) == 3
+    cached = s.allocator.allocate(1)  # the last page comes to hold a cached prefix
+    s.allocator.retain(cached[0])
+    s.allocator.free(cached)
+    finish_step(s.schedule())  # position 10, ahead 11-12: not by evicting the cached page
+    assert len(seq.pages) == 3 and s.allocator.n_unused == 0 and s.allocator.n_free == 1
+    finish_step(s.schedule())  # 11
+    finish_step(s.schedule())  # 12 needs the page: now it is taken
+    assert len(seq.pages) == 4 and s.allocator.evictions == 1
+
+
+def test_no_page_is_given_ahead_past_a_sequences_length():
+    s = Scheduler(PageAllocator(8), PageAllocator(4), 4, 8, 64, lookahead=2)
+    seq = make_seq(0, 6)
+    seq.request.params.max_tokens = 2  # the token at position 7 is its last
+    s.add(seq)
+    finish_step(s.schedule())
+    finish_step(s.schedule())  # decodes position 6, its last step
+    assert len(seq.pages) == 2
+
+
 def test_decodes_go_before_new_prompts_and_respect_max_seqs():
     s = make_scheduler(64, 4, 2, 64)
     a, b, c = make_seq(0, 3), make_seq(1, 3), make_seq(2, 3)
