@@ -1,16 +1,16 @@
 """`siding bench kv-pipeline`: host-KV decode, ordered (depth 0) against pipelined (depths 1, 2,
-4), across context lengths, at batch 1.
+4), across context lengths and batch sizes (`--batch 1,8,32`).
 
 Runs in-process on ModelRunners over one loaded stage (no cluster), so the numbers are the
-worker's and the ring's, not the sockets'. Every arm decodes the same sequence from the same KV
-bytes (random: the context is already in the pool), one token a step; the arms take turns,
-`--steps` steps each per round, so load from elsewhere lands on all of them alike; a turn starts
-with the device idle (the arm before may have left copies in flight) and one untimed step (the
-primes it finds landed long ago). Measured in
-the same run, per context:
+worker's and the ring's, not the sockets'. Every arm decodes the same B sequences, each at the
+context length on pages of its own, from the same KV bytes (random: the context is already in
+the pool), one token each a step; the arms take turns, `--steps` steps each per round, so load
+from elsewhere lands on all of them alike; a turn starts with the device idle (the arm before
+may have left copies in flight) and one untimed step (the primes it finds landed long ago).
+Measured in the same run, per point:
 
 - compute: the same decode with KV on the device (`--kv device`), a step without copies;
-- copy: one step's deliveries alone (every layer's window, the copies the ring issues);
+- copy: one step's deliveries alone (every layer's window of all B sequences' pages);
 - ceiling: max(copy, compute), the best a pipelined step can do (ordered pays copy + compute);
 - link: one large pinned host -> device copy.
 
@@ -19,22 +19,25 @@ slot's layers rather than per layer); `--slot-layers 1,2` adds an arm per depth 
 slots hold at most that many ("depth N x1", "depth N x2").
 
 With `--ahead`, every arm also runs overlapped ("ahead device", "ahead ordered", "ahead depth
-N"): each step is enqueued on the last step's greedy token while that is still on the device, and
-the host reads the token only after, as a worker does with `SIDING_OVERLAP` (`worker/overlap.py`,
-`docs/overlap-scheduling.md`). An
-overlapped arm's ceiling is max(copy, the overlapped device arm), its speed-up over the
-overlapped ordered arm.
+N"): each step is enqueued on the last step's greedy tokens while they are still on the device,
+and the host reads them only after, as an overlapping worker does one step ahead
+(`worker/overlap.py`, `docs/overlap-scheduling.md`). An overlapped arm's ceiling is max(copy,
+the overlapped device arm), its speed-up over the overlapped ordered arm.
 
-Reported: step time (a round's mean, median over rounds) and tokens/s per arm, single steps'
-p50/p90/p99 (a slow step in a round shows there, not in the mean), speed-up over ordered,
-fraction of the ceiling, achieved H2D bandwidth (a step's KV bytes over the copy time, and over
-each arm's step time) against the link, bytes per copy, ring bytes, compute-side waits,
-declines, and whether every arm produced the same tokens (and if not, where each first differs).
+Every arm holds its own pool (each host pool pinned), so B x context is bounded by memory: a
+point whose host pools would take more than half of this machine's memory is skipped and says
+so. Reported, per (batch, context): step time (a round's mean, median over rounds) and tokens/s
+per arm (B tokens a step), single steps' p50/p90/p99 (a slow step in a round shows there, not
+in the mean), speed-up over ordered, fraction of the ceiling, achieved H2D bandwidth (a step's
+KV bytes over the copy time, and over each arm's step time) against the link, bytes per copy,
+ring bytes, compute-side waits, declines, and whether every arm produced the same tokens (and if
+not, where each first differs).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,16 +82,16 @@ class Arm:
     name: str  # "device", "ordered", "depth N" or "depth N xG", "ahead ..." when overlapped
     runner: ModelRunner
     pool: KVPool | HostKVPool
-    pages: list[int]
-    position: int
-    token: int = FIRST_TOKEN
+    pages: list[list[int]]  # each sequence's
+    position: int  # every sequence's
+    inputs: list[int]  # each sequence's next input token
     # Overlapped steps (docs/overlap-scheduling.md): each step is enqueued on the last one's
-    # greedy token, still on the device, before the host reads that token.
+    # greedy tokens, still on the device, before the host reads them.
     ahead: bool = False
-    next_input: torch.Tensor | None = None  # the last step's token, on the device
-    unread: tuple[torch.Tensor, Any] | None = None  # its host copy, and an event after the copy
+    next_input: torch.Tensor | None = None  # the last step's tokens, on the device
+    unread: tuple[torch.Tensor, Any] | None = None  # their host copy, and an event after the copy
     steps: int = 0
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)  # each step's, every sequence's
     step_seconds: list[float] = field(default_factory=list)  # one sample per round
     each_step: list[float] = field(default_factory=list)  # every timed step's wall time
     # seconds summed over timed steps: host time in apply, in forward (enqueueing the step), in
@@ -102,8 +105,9 @@ class Arm:
 
     def step(self, timed: bool = False) -> None:
         first = self.steps == 0
-        plan = Step(step=self.steps, token_ids=[self.token], seqs=[SeqPlan(
-            id=1, start=self.position, n=1, pages_add=self.pages if first else [], sample=True)])
+        plan = Step(step=self.steps, token_ids=list(self.inputs), seqs=[SeqPlan(
+            id=b + 1, start=self.position, n=1, pages_add=pages if first else [], sample=True)
+            for b, pages in enumerate(self.pages)])
         cuda = self.runner.device.type == "cuda"
         t0 = time.perf_counter()
         meta = self.runner.apply(plan)
@@ -113,18 +117,18 @@ class Arm:
             events[0].record()
         if not self.ahead:
             hidden = self.runner.forward(plan, meta, None)
-        else:  # the plan's token is used only by the first step
+        else:  # the plan's tokens are used only by the first step
             hidden = self.runner.forward(plan, meta, None, self.next_input)
             self.next_input = self.runner.draw(plan, meta, hidden)
         if cuda:
             events[1].record()
         t2 = time.perf_counter()
         if not self.ahead:
-            _, (self.token,) = self.runner.sample(plan, meta, hidden)  # waits for the device
-            self.tokens.append(self.token)
-        else:  # the last step's token: this step is already enqueued behind it
+            _, self.inputs = self.runner.sample(plan, meta, hidden)  # waits for the device
+            self.tokens.append(self.inputs)
+        else:  # the last step's tokens: this step is already enqueued behind them
             self.read()
-            host = torch.empty(1, dtype=torch.int64, pin_memory=cuda)
+            host = torch.empty(len(self.pages), dtype=torch.int64, pin_memory=cuda)
             host.copy_(self.next_input, non_blocking=True)
             done = torch.cuda.Event() if cuda else None
             if done is not None:
@@ -141,13 +145,13 @@ class Arm:
         self.steps += 1
 
     def read(self) -> None:
-        """An overlapped arm's last token, once the device has it; a no-op when it is read."""
+        """An overlapped arm's last tokens, once the device has them; a no-op when read."""
         if self.unread is not None:
             host, done = self.unread
             if done is not None:
                 done.synchronize()
-            self.token = int(host[0])
-            self.tokens.append(self.token)
+            self.inputs = host.tolist()
+            self.tokens.append(self.inputs)
             self.unread = None
 
     def round(self, steps: int) -> float:
@@ -178,6 +182,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768" if cuda
                    else "256,1024,2048", help="context lengths, comma-separated")
     p.add_argument("--depths", default="1,2,4", help="pipelined depths, comma-separated")
+    p.add_argument("--batch", default="1",
+                   help="sequences decoded together, comma-separated (each at every context)")
     p.add_argument("--slot-layers", default="",
                    help="the most layers a ring slot holds, comma-separated: each value adds an "
                    "arm per depth, named 'depth N xG', beside the default slots")
@@ -200,19 +206,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.contexts = [int(x) for x in a.contexts.split(",")]
     a.depths = [int(x) for x in a.depths.split(",")]
+    a.batch = [int(x) for x in a.batch.split(",")]
     a.slot_layers = [int(x) for x in a.slot_layers.split(",") if x]
-    if (min(a.contexts) < 1 or min(a.depths) < 1 or min(a.slot_layers, default=1) < 1
-            or a.steps < 1 or a.rounds < 1):
-        p.error("contexts, depths, --slot-layers, --steps and --rounds must be positive")
+    if (min(a.contexts) < 1 or min(a.depths) < 1 or min(a.batch) < 1
+            or min(a.slot_layers, default=1) < 1 or a.steps < 1 or a.rounds < 1):
+        p.error("contexts, depths, --batch, --slot-layers, --steps and --rounds must be positive")
     return a
+
+
+def arm_names(a: argparse.Namespace) -> list[str]:
+    """The arms `build_arms` makes, in order: every one but the first has a host pool."""
+    names = ["device"]
+    for depth, group in [(0, None), *((d, g) for d in a.depths for g in [None, *a.slot_layers])]:
+        names.append(f"depth {depth}" + (f" x{group}" if group else "") if depth else "ordered")
+    return names + [f"ahead {n}" for n in names] if a.ahead else names
+
+
+def seq_pages(context: int, total_steps: int, page_size: int) -> int:
+    """The pages of one sequence that starts at `context` and decodes `total_steps`."""
+    return -(-(context + total_steps) // page_size)
 
 
 def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
                device: torch.device, a: argparse.Namespace,
-               graphs: bool = False) -> list[Arm]:
+               graphs: bool = False, batch: int = 1) -> list[Arm]:
     """A device-KV arm, an ordered arm and one per depth, and with `--ahead` an overlapped twin
-    of each, every pool holding the same KV; each with decode graphs of its own when `graphs`."""
-    n_pages = -(-(context + total_steps) // a.page_size)
+    of each, every pool holding the same KV for `batch` sequences of `context` positions; each
+    with decode graphs of its own when `graphs`."""
+    per_seq = seq_pages(context, total_steps, a.page_size)
+    n_pages = batch * per_seq
     shape = (args.n_layers, n_pages, a.page_size, args.n_kv_heads, args.head_dim)
     pools: dict[str, KVPool | HostKVPool] = {}
     attention = choose_attention(False, device, args.head_dim)
@@ -224,6 +246,7 @@ def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
             pools[prefix + name] = HostKVPool(
                 *shape, dtype, device, attention, depth=depth, ring_budget_mib=a.ring_budget_mib,
                 slot_layers=group, transport=make_transport(device, a.transport_delay_ms))
+    assert list(pools) == arm_names(a)
     first = pools["ordered"]
     g = torch.Generator().manual_seed(KV_SEED)
     for layer in range(args.n_layers):  # a layer at a time: a float32 draw of it all is large
@@ -232,11 +255,11 @@ def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
         if pool is not first:
             pool.k.copy_(first.k)
             pool.v.copy_(first.v)
-    pages = list(range(n_pages))
+    pages = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
+    inputs = [(FIRST_TOKEN + b) % args.vocab_size for b in range(batch)]
     return [Arm(name, ModelRunner(stage, pool, ParkStore(pool, 1), device,
                                   DecodeGraphs(stage, pool, device) if graphs else None),
-                pool, pages, context, token=FIRST_TOKEN % args.vocab_size,
-                ahead=name.startswith("ahead "))
+                pool, pages, context, inputs, ahead=name.startswith("ahead "))
             for name, pool in pools.items()]
 
 
@@ -255,12 +278,25 @@ def copy_seconds(pool: HostKVPool, n_pages: int, device: torch.device,
     return samples[1:]  # the first pays for warm-up
 
 
+def total_steps(context: int, a: argparse.Namespace) -> int:
+    """Steps each arm decodes at `context`: warm-up, rounds, and a profile's."""
+    return a.warmup + (1 + a.steps) * a.rounds + (1 + PROFILE_STEPS) * (context == a.profile)
+
+
+def host_bytes(args, batch: int, context: int, a: argparse.Namespace, dtype: torch.dtype) -> int:
+    """Pinned memory the point's host pools take: each holds every layer's K and V."""
+    pages = batch * seq_pages(context, total_steps(context, a), a.page_size)
+    per_pool = 2 * args.n_layers * pages * a.page_size * args.n_kv_heads * args.head_dim * (
+        dtype.itemsize)
+    return per_pool * (len(arm_names(a)) - (2 if a.ahead else 1))
+
+
 def run_context(stage, args, context: int, dtype, device, a, link: Spread,
-                graphs: bool) -> dict[str, Any]:
-    total = a.warmup + (1 + a.steps) * a.rounds + (1 + PROFILE_STEPS) * (context == a.profile)
-    arms = build_arms(stage, args, context, total, dtype, device, a, graphs)
+                graphs: bool, batch: int = 1) -> dict[str, Any]:
+    arms = build_arms(stage, args, context, total_steps(context, a), dtype, device, a, graphs,
+                      batch)
     ordered = arms[1].pool
-    window = -(-(context + 1) // a.page_size)  # pages of the first timed step
+    window = batch * -(-(context + 1) // a.page_size)  # pages of the first timed step
     kv_bytes = args.n_layers * window * ordered.ring.page_bytes  # a step's deliveries
     copy = Spread.of(copy_seconds(ordered, window, device))
     for arm in arms:
@@ -269,8 +305,8 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread,
     for r in range(a.rounds):
         for arm in arms:
             arm.step_seconds.append(arm.round(a.steps))
-        progress(SCENARIO, f"context {context}: round {r + 1}/{a.rounds}  " + "  ".join(
-            f"{arm.name} {arm.step_seconds[-1] * 1e3:.2f} ms" for arm in arms))
+        progress(SCENARIO, f"batch {batch}, context {context}: round {r + 1}/{a.rounds}  "
+                 + "  ".join(f"{arm.name} {arm.step_seconds[-1] * 1e3:.2f} ms" for arm in arms))
     for arm in arms:
         arm.read()  # an overlapped arm's last token
     timed = a.warmup + a.rounds * (1 + a.steps)
@@ -292,7 +328,7 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread,
                 mismatch[arm.name] = i
                 break
     out: dict[str, Any] = {
-        "context": context, "window_pages": window, "kv_bytes_per_step": kv_bytes,
+        "batch": batch, "context": context, "window_pages": window, "kv_bytes_per_step": kv_bytes,
         "copy_s": copy, "copy_bytes_per_s": kv_bytes / copy.median,
         "copy_of_link": kv_bytes / copy.median / link.median,
         "compute_s": compute, "ceiling_s": ceiling, "ordered_model_s": copy.median + compute.median,
@@ -305,7 +341,7 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread,
     for arm in arms:
         t = Spread.of(arm.step_seconds)
         arm_ceiling, ordered_time = kind["ahead " if arm.ahead else ""]
-        rec: dict[str, Any] = {"step_s": t, "tokens_per_s": 1 / t.median,
+        rec: dict[str, Any] = {"step_s": t, "tokens_per_s": batch / t.median,
                                "over_ordered": ordered_time / t.median,
                                "of_ceiling": arm_ceiling / t.median,
                                "effective_bytes_per_s": kv_bytes / t.median,
@@ -351,17 +387,17 @@ def profile(arm: Arm, steps: int, device: torch.device, stem: str) -> None:
 
 
 def table(points: list[dict[str, Any]], link: Spread) -> str:
-    headers = ["context", "arm", "ms/step", "tok/s", "x ordered", "of ceiling", "eff GB/s",
+    headers = ["batch", "context", "arm", "ms/step", "tok/s", "x ordered", "of ceiling", "eff GB/s",
                "of link", "MiB/copy", "ring MiB", "layers/slot", "declines", "primed", "wait ms"]
     rows = []
     for p in points:
-        rows.append([p["context"], "copy alone", p["copy_s"].text(1e3, 2), "", "", "",
+        rows.append([p["batch"], p["context"], "copy alone", p["copy_s"].text(1e3, 2), "", "", "",
                      f"{p['copy_bytes_per_s'] / 1e9:.1f}", f"{p['copy_of_link']:.2f}", "", "",
                      "", "", "", ""])
         for name, r in p["arms"].items():
             ring = "ring_bytes" in r
             rows.append([
-                "", name, r["step_s"].text(1e3, 2), f"{r['tokens_per_s']:.1f}",
+                "", "", name, r["step_s"].text(1e3, 2), f"{r['tokens_per_s']:.1f}",
                 f"{r['over_ordered']:.2f}", f"{r['of_ceiling']:.2f}",
                 f"{r['effective_bytes_per_s'] / 1e9:.1f}",
                 f"{r['effective_bytes_per_s'] / link.median:.2f}",
@@ -386,12 +422,13 @@ def phase_table(points: list[dict[str, Any]]) -> str:
     """Where a timed step's wall time goes, per arm: host time in each phase, and the device's
     span of the forward (longer than its host time: the step is the device's or the link's);
     then the spread of single steps (a round's mean mixes the steady state with slow steps)."""
-    arms = [(p["context"] if i == 0 else "", name, r["phase_s_per_step"], r["step_quantiles_s"])
+    arms = [(f"{p['batch']} x {p['context']}" if i == 0 else "", name, r["phase_s_per_step"],
+             r["step_quantiles_s"])
             for p in points for i, (name, r) in enumerate(p["arms"].items())]
     phases = PHASES if any(t["device forward"] for _, _, t, _ in arms) else PHASES[:-1]  # CUDA
     rows = [[c, name, *(f"{t[k] * 1e3:.2f}" for k in phases),
              *(f"{v * 1e3:.2f}" for v in q.values())] for c, name, t, q in arms]
-    return format_table(["context", "arm", *(f"{k} ms" for k in phases),
+    return format_table(["batch x context", "arm", *(f"{k} ms" for k in phases),
                          *(f"step p{q} ms" for q in STEP_QUANTILES)], rows)
 
 
@@ -408,35 +445,53 @@ def main(argv: list[str]) -> None:
     graphs = a.cuda_graphs and device.type == "cuda"
     link = pinned_bandwidth(device, "h2d", nbytes=1 << 30 if device.type == "cuda" else 1 << 28)
     progress(SCENARIO, f"pinned link h2d {link.text(1e-9, 1)} GB/s")
-    points = []
-    for context in a.contexts:
-        points.append(run_context(stage, args, context, dtype, device, a, link, graphs))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the last context's pools go before the next one's come
+    points, skipped = [], []
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for batch in a.batch:
+        for context in a.contexts:
+            need = host_bytes(args, batch, context, a, dtype)
+            if need > memory // 2:
+                skipped.append({"batch": batch, "context": context, "host_bytes": need})
+                progress(SCENARIO, f"batch {batch}, context {context} skipped: its host pools "
+                         f"would take {need / 2**30:.1f} GiB of {memory / 2**30:.1f}")
+                continue
+            points.append(run_context(stage, args, context, dtype, device, a, link, graphs,
+                                      batch))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the last point's pools go before the next one's come
+    if not points:
+        raise SystemExit("kv-pipeline: every point was skipped (see above)")
     stamp = timestamp()
     json_path, png_path = result_paths(a.out, SCENARIO, stamp)
     write_json(json_path, {
         "scenario": SCENARIO, "command": " ".join(["siding", "bench", SCENARIO, *argv]),
         "started": stamp, "config": vars(a) | {"dtype": str(dtype)},
-        "method": "in-process ModelRunners, batch 1, arms interleaved per round",
-        "link_h2d_bytes_per_s": link, "points": points, "machine": machine_info(a.device),
+        "method": "in-process ModelRunners, arms interleaved per round",
+        "link_h2d_bytes_per_s": link, "points": points, "skipped": skipped,
+        "machine": machine_info(a.device),
     })
-    names = list(points[0]["arms"])
-    xs = [p["context"] for p in points]
-    series = [Series(n, xs, [Spread.of([1 / s for s in (p["arms"][n]["step_s"].min,
-                                                         p["arms"][n]["step_s"].median,
-                                                         p["arms"][n]["step_s"].max)])
-                             for p in points]) for n in names]
-    series.append(Series("ceiling 1/max(copy, compute)", xs,
-                         [Spread.of([1 / p["ceiling_s"]]) for p in points]))
-    write_plot(png_path, series, f"host KV decode, {a.model} {dtype}, batch 1, "
-               f"{machine_info(a.device)['device_name']}", "context (tokens)", "tokens/s")
+    series = []
+    for batch in sorted({p["batch"] for p in points}):
+        mine = [p for p in points if p["batch"] == batch]
+        xs = [p["context"] for p in mine]
+        tag = f", batch {batch}" if len(a.batch) > 1 else ""
+        series += [Series(n + tag, xs, [Spread.of([batch / s for s in (
+            p["arms"][n]["step_s"].min, p["arms"][n]["step_s"].median,
+            p["arms"][n]["step_s"].max)]) for p in mine]) for n in mine[0]["arms"]]
+        series.append(Series("ceiling batch / max(copy, compute)" + tag, xs,
+                             [Spread.of([batch / p["ceiling_s"]]) for p in mine]))
+    write_plot(png_path, series, f"host KV decode, {a.model} {dtype}, batch "
+               f"{','.join(map(str, a.batch))}, {machine_info(a.device)['device_name']}",
+               "context (tokens)", "tokens/s")
     print(f"pinned link h2d {link.text(1e-9, 1)} GB/s")
     print(table(points, link))
     print(phase_table(points))
     print("identical tokens in every arm: " + ", ".join(
-        f"{p['context']}: {p['identical_tokens']}" for p in points))
+        f"{p['batch']} x {p['context']}: {p['identical_tokens']}" for p in points))
     for p in points:
         for name, step in p["first_mismatch"].items():
-            print(f"  {p['context']}: {name} first differs at step {step}")
+            print(f"  {p['batch']} x {p['context']}: {name} first differs at step {step}")
+    for x in skipped:
+        print(f"skipped {x['batch']} x {x['context']}: its host pools would take "
+              f"{x['host_bytes'] / 2**30:.1f} GiB")
     print(f"wrote {json_path} and {png_path}")
