@@ -441,12 +441,13 @@ class Scheduler:
 
     def _reserve_ahead(self, seq: Sequence) -> None:
         """Pages for the `lookahead` positions after a decoding sequence's next one (no further
-        than its length allows), from free pages only: never by evicting a cached prefix, never
-        by preempting anyone."""
+        than its length allows), from free pages only, and only while a page stays free for
+        every running sequence: never by evicting a cached prefix, never at the cost of a
+        preemption."""
         left = min(seq.request.params.max_tokens - seq.n_generated,
                    self.max_context - len(seq.token_ids))
         need = self.pages_needed(seq, 1 + min(self.lookahead, left - 1))
-        if 0 < need <= self.allocator.n_unused:
+        if 0 < need and need + len(self.running) <= self.allocator.n_unused:
             seq.pages += self.allocator.allocate(need)
 
     @staticmethod

@@ -75,6 +75,16 @@ def test_decoding_sequences_get_pages_ahead_from_free_pages_only():
     assert len(seq.pages) == 4 and s.allocator.evictions == 1
 
 
+def test_pages_ahead_leave_a_free_page_for_every_running_sequence():
+    s = Scheduler(PageAllocator(5), PageAllocator(4), 4, 8, 64, lookahead=2)
+    a, b = make_seq(0, 7), make_seq(1, 7)
+    s.add(a)
+    s.add(b)
+    finish_step(s.schedule())  # both prompts: two pages each, one left
+    finish_step(s.schedule())  # both decode position 7; 8-9 ahead would take the last page
+    assert len(a.pages) == len(b.pages) == 2 and s.allocator.n_unused == 1
+
+
 def test_no_page_is_given_ahead_past_a_sequences_length():
     s = Scheduler(PageAllocator(8), PageAllocator(4), 4, 8, 64, lookahead=2)
     seq = make_seq(0, 6)
