@@ -1,8 +1,9 @@
 """`siding bench decode`: decode tokens/s against batch size; siding against transformers
 `generate` on the same weights, cores and device, and against the memory-bandwidth roofline.
 
-The arms are interleaved (for each repeat, for each batch size: siding, then transformers), so
-load from other processes lands on both alike; each point reports the median and min-max.
+The arms are interleaved (for each repeat, for each batch size: siding, then with `--baseline` a
+second cluster run from another checkout, then transformers), so load from other processes lands
+on all alike; each point reports the median and min-max.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ LOWEST_PROMPT_ID = 100  # ids below are special or control tokens in common voca
 class Sample:
     """One timed batch of one arm; times in seconds from the first request sent."""
 
-    arm: str  # "siding" or "hf"
+    arm: str  # "siding", "baseline" or "hf"
     batch: int
     repeat: int
     ttft: float  # mean over the batch's sequences
@@ -99,9 +100,10 @@ def timed_batch(
 class SidingArm:
     """`batch` concurrent streamed requests to a running cluster, timed as tokens reach us."""
 
-    def __init__(self, endpoint: str, prompts: list[list[int]]):
+    def __init__(self, endpoint: str, prompts: list[list[int]], name: str = "siding"):
         self.endpoint = endpoint
         self.prompts = prompts
+        self.name = name  # "siding", or "baseline": a cluster run from another checkout
 
     def run(self, batch: int, tokens: int, repeat: int = -1) -> Sample:
         return asyncio.run(self._run(batch, tokens, repeat))
@@ -116,7 +118,7 @@ class SidingArm:
             )
         finally:
             await client.close()
-        return timed_batch("siding", batch, repeat, start, arrivals)
+        return timed_batch(self.name, batch, repeat, start, arrivals)
 
     async def _stream(self, client: AsyncClient, prompt: list[int], tokens: int) -> list[float]:
         times: list[float] = []
@@ -240,6 +242,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pipeline-depth", type=int, default=1,
                    help="with --kv host: layers delivered ahead (`siding launch`)")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers arm")
+    p.add_argument("--baseline", metavar="DIR", default=None,
+                   help="also time a cluster run from another checkout (say `git worktree add "
+                   "DIR main`), its batches interleaved with this tree's: a side-by-side A/B")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="siding runs decode steps eagerly (`siding launch` flag)")
     p.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
@@ -299,11 +304,16 @@ def main(argv: list[str]) -> None:
         progress(SCENARIO, f"loading {args.model} in transformers ({dtype_name(dtype)}, {device})")
         hf = HFArm(load_reference(args.model, dtype, device), prompts, device)
     launch = cluster_args(args, dtype, threads)
-    progress(SCENARIO, f"starting siding: {' '.join(launch)}")
     samples: list[Sample] = []
-    with LocalCluster(*launch) as cluster:
-        siding = SidingArm(cluster.endpoint, prompts.tolist())
-        arms = [siding] if hf is None else [siding, hf]
+    with contextlib.ExitStack() as stack:
+        arms: list[SidingArm | HFArm] = []
+        for name, root in [("siding", None), *([("baseline", args.baseline)]
+                                               if args.baseline else [])]:
+            progress(SCENARIO, f"starting {name} ({root or 'this tree'}): {' '.join(launch)}")
+            cluster = stack.enter_context(LocalCluster(*launch, root=root))
+            arms.append(SidingArm(cluster.endpoint, prompts.tolist(), name))
+        if hf is not None:
+            arms.append(hf)
         progress(SCENARIO, "warming up: one full run of each arm and batch size")
         for b in args.batch_sizes:
             for arm in arms:
@@ -314,7 +324,7 @@ def main(argv: list[str]) -> None:
                     s = arm.run(b, args.tokens, r)
                     samples.append(s)
                     progress(SCENARIO, f"repeat {r + 1}/{args.repeats}  batch {b:>3}  "
-                             f"{s.arm:<6}  decode {s.decode_tps:8.1f} tok/s  "
+                             f"{s.arm:<8}  decode {s.decode_tps:8.1f} tok/s  "
                              f"ttft {s.ttft * 1e3:7.1f} ms")
             # Bandwidth is sampled between rounds too, so it sees the load the arms saw.
             bandwidth += copy_bandwidth(device, repeats=3)
@@ -346,6 +356,9 @@ def main(argv: list[str]) -> None:
     json_path, png_path = result_paths(args.out, SCENARIO, stamp)
     write_json(json_path, record)
     series = [Series("siding", args.batch_sizes, [p["siding"]["decode_tps"] for p in points])]
+    if args.baseline:
+        series.append(Series("baseline", args.batch_sizes,
+                             [p["baseline"]["decode_tps"] for p in points]))
     if hf is not None:
         series.append(Series("transformers", args.batch_sizes,
                              [p["hf"]["decode_tps"] for p in points]))
@@ -382,9 +395,11 @@ def summarise(batch: int, samples: list[Sample], roofline: float) -> dict[str, A
                 "ttft_s": Spread.of([s.ttft for s in mine]),
                 "e2e_tps": Spread.of([s.e2e_tps for s in mine])}
 
-    siding, hf = arm("siding"), arm("hf")
+    siding, baseline, hf = arm("siding"), arm("baseline"), arm("hf")
     return {
-        "batch": batch, "siding": siding, "hf": hf,
+        "batch": batch, "siding": siding, "baseline": baseline, "hf": hf,
+        "siding_over_baseline": None if baseline is None else ratio(
+            siding["decode_tps"], baseline["decode_tps"]),
         "siding_over_hf": None if hf is None else ratio(siding["decode_tps"], hf["decode_tps"]),
         "roofline_tps": roofline,
         "siding_roofline_fraction": siding["decode_tps"].median / roofline,
@@ -392,17 +407,22 @@ def summarise(batch: int, samples: list[Sample], roofline: float) -> dict[str, A
 
 
 def table(points: list[dict[str, Any]]) -> str:
-    headers = ["batch", "siding tok/s", "hf tok/s", "siding/hf", "roofline", "of roofline",
-               "ttft siding ms", "ttft hf ms"]
+    baseline = points[0]["baseline"] is not None
+    headers = ["batch", "siding tok/s", *(["baseline tok/s", "siding/baseline"] if baseline
+                                         else []),
+               "hf tok/s", "siding/hf", "roofline", "of roofline", "ttft siding ms",
+               *(["ttft baseline ms"] if baseline else []), "ttft hf ms"]
     rows = []
     for p in points:
-        s, h = p["siding"], p["hf"]
+        s, b, h = p["siding"], p["baseline"], p["hf"]
         rows.append([
             p["batch"], s["decode_tps"].text(),
+            *([b["decode_tps"].text(), f"{p['siding_over_baseline']:.2f}x"] if baseline else []),
             "-" if h is None else h["decode_tps"].text(),
             "-" if h is None else f"{p['siding_over_hf']:.2f}x",
             f"{p['roofline_tps']:.1f}", f"{p['siding_roofline_fraction']:.1%}",
-            s["ttft_s"].text(1e3, 0), "-" if h is None else h["ttft_s"].text(1e3, 0),
+            s["ttft_s"].text(1e3, 0), *([b["ttft_s"].text(1e3, 0)] if baseline else []),
+            "-" if h is None else h["ttft_s"].text(1e3, 0),
         ])
     return format_table(headers, rows)
 

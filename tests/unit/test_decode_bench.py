@@ -1,0 +1,27 @@
+"""`siding bench decode --baseline`: a second cluster from another checkout, timed batch by
+batch beside this tree's, with the ratio in the record and the table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import decode
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_baseline_cluster_is_timed_beside_this_trees(tmp_path, capsys):
+    decode.main(["--model", "synthetic:tiny", "--device", "cpu", "--batch-sizes", "1,2",
+                 "--context", "8", "--tokens", "4", "--repeats", "2", "--no-hf",
+                 "--baseline", str(ROOT), "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("decode-*.json")
+    record = json.loads(path.read_text())
+    timed = sorted((s["arm"], s["batch"], s["repeat"]) for s in record["samples"])
+    assert timed == sorted((arm, b, r) for arm in ("siding", "baseline") for b in (1, 2)
+                           for r in (0, 1))
+    for p in record["points"]:
+        ratio = p["siding"]["decode_tps"]["median"] / p["baseline"]["decode_tps"]["median"]
+        assert p["siding_over_baseline"] == ratio > 0 and p["hf"] is None
+    out = capsys.readouterr().out
+    assert "baseline tok/s" in out and "siding/baseline" in out
