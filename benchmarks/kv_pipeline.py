@@ -214,11 +214,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return a
 
 
+def host_arms(a: argparse.Namespace) -> list[tuple[str, int, int | None]]:
+    """The host-KV arms: (name, ring depth, most layers a slot holds or None)."""
+    return [("ordered", 0, None), *((f"depth {d}" + (f" x{g}" if g else ""), d, g)
+                                    for d in a.depths for g in [None, *a.slot_layers])]
+
+
 def arm_names(a: argparse.Namespace) -> list[str]:
-    """The arms `build_arms` makes, in order: every one but the first has a host pool."""
-    names = ["device"]
-    for depth, group in [(0, None), *((d, g) for d in a.depths for g in [None, *a.slot_layers])]:
-        names.append(f"depth {depth}" + (f" x{group}" if group else "") if depth else "ordered")
+    """The arms `build_arms` makes, in order: the device arm first, the host arms after it."""
+    names = ["device", *(name for name, _, _ in host_arms(a))]
     return names + [f"ahead {n}" for n in names] if a.ahead else names
 
 
@@ -240,13 +244,10 @@ def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
     attention = choose_attention(False, device, args.head_dim)
     for prefix in ("", "ahead ") if a.ahead else ("",):
         pools[prefix + "device"] = KVPool(*shape, dtype, device, attention)
-        for depth, group in [(0, None), *((d, g) for d in a.depths
-                                          for g in [None, *a.slot_layers])]:
-            name = f"depth {depth}" + (f" x{group}" if group else "") if depth else "ordered"
+        for name, depth, group in host_arms(a):
             pools[prefix + name] = HostKVPool(
                 *shape, dtype, device, attention, depth=depth, ring_budget_mib=a.ring_budget_mib,
                 slot_layers=group, transport=make_transport(device, a.transport_delay_ms))
-    assert list(pools) == arm_names(a)
     first = pools["ordered"]
     g = torch.Generator().manual_seed(KV_SEED)
     for layer in range(args.n_layers):  # a layer at a time: a float32 draw of it all is large
@@ -263,16 +264,20 @@ def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
             for name, pool in pools.items()]
 
 
-def copy_seconds(pool: HostKVPool, n_pages: int, device: torch.device,
+def copy_seconds(pool: HostKVPool, windows: list[range], device: torch.device,
                  repeats: int = 5) -> list[float]:
-    """One step's deliveries alone: every layer's window of `n_pages` pages, one copy each."""
-    dst = torch.empty((n_pages, *pool.kv.shape[2:]), dtype=pool.kv.dtype, device=device)
+    """One step's deliveries alone: every layer's window of each sequence's pages (`windows`,
+    contiguous page ids each), one copy each."""
+    dst = torch.empty((sum(map(len, windows)), *pool.kv.shape[2:]), dtype=pool.kv.dtype,
+                      device=device)
+    parts = dst.split([len(w) for w in windows])
     samples = []
     for _ in range(repeats + 1):
         sync(device)
         t0 = time.perf_counter()
         for layer in range(pool.kv.shape[0]):
-            dst.copy_(pool.kv[layer, :n_pages], non_blocking=True)
+            for part, w in zip(parts, windows):
+                part.copy_(pool.kv[layer, w.start:w.stop], non_blocking=True)
         sync(device)
         samples.append(time.perf_counter() - t0)
     return samples[1:]  # the first pays for warm-up
@@ -288,7 +293,7 @@ def host_bytes(args, batch: int, context: int, a: argparse.Namespace, dtype: tor
     pages = batch * seq_pages(context, total_steps(context, a), a.page_size)
     per_pool = 2 * args.n_layers * pages * a.page_size * args.n_kv_heads * args.head_dim * (
         dtype.itemsize)
-    return per_pool * (len(arm_names(a)) - (2 if a.ahead else 1))
+    return per_pool * len(host_arms(a)) * (2 if a.ahead else 1)
 
 
 def run_context(stage, args, context: int, dtype, device, a, link: Spread,
@@ -296,9 +301,11 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread,
     arms = build_arms(stage, args, context, total_steps(context, a), dtype, device, a, graphs,
                       batch)
     ordered = arms[1].pool
-    window = batch * -(-(context + 1) // a.page_size)  # pages of the first timed step
+    per_seq = -(-(context + 1) // a.page_size)  # a sequence's pages in the first timed step
+    window = batch * per_seq
     kv_bytes = args.n_layers * window * ordered.ring.page_bytes  # a step's deliveries
-    copy = Spread.of(copy_seconds(ordered, window, device))
+    copy = Spread.of(copy_seconds(ordered, [range(p[0], p[0] + per_seq) for p in arms[1].pages],
+                                  device))
     for arm in arms:
         for _ in range(a.warmup):
             arm.step()

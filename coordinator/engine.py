@@ -22,7 +22,6 @@ import zmq
 from protocol import security, wire
 from protocol.errors import ErrorCode
 from protocol.messages import (
-    STEPS_AHEAD,
     Cancel,
     Ready,
     Register,
@@ -33,6 +32,7 @@ from protocol.messages import (
     StepError,
     StepResult,
     Submit,
+    steps_ahead,
 )
 from protocol.wire import MAX_MESSAGE_BYTES
 
@@ -97,12 +97,12 @@ class EngineCore:
         if config.prefix_cache:  # keyed by all that changes a page's bits besides its tokens
             cache = PrefixCache(pool, w.page_size, f"{w.model}|{w.dtype}|exact={w.exact}")
             self.metrics.watch_prefix_cache(cache)
-        overlap = w.overlap == "on" or (
-            w.overlap == "auto" and any(d.startswith("cuda") for d in config.devices))
+        # pages ahead for the steps a worker that is the whole pipeline enqueues early
+        ahead = steps_ahead(w.overlap, config.devices[0], w.kv) if config.workers == 1 else 0
         self.scheduler = Scheduler(pool, PageAllocator(w.park_pages), w.page_size,
                                    w.max_batch_seqs, config.max_batch_tokens,
                                    config.preempt_every, config.prefill_hold_ms / 1000, cache,
-                                   lookahead=STEPS_AHEAD if overlap else 0)
+                                   lookahead=ahead)
         self.requests = Requests(self.scheduler, self.frontends, self.metrics,
                                  config.max_waiting, config.max_queued_per_client)
         self.inflight: dict[int, InFlight] = {}

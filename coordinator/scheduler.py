@@ -284,7 +284,15 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         """The next batch within the limits: decodes, prompt chunks, restores, new sequences;
-        pages reserved for it, sequences that had to make room preempted."""
+        pages reserved for it, sequences that had to make room preempted; then pages ahead."""
+        out = self._batch()
+        if self.lookahead and not (self.waiting or self.parked):
+            for seq, n in out.batch:
+                if n == 1 and seq.n_remaining == 1:  # it decodes
+                    self._reserve_ahead(seq)
+        return out
+
+    def _batch(self) -> Schedule:
         out = Schedule(copies=self.copies)
         self.copies = []
         self._share_rows(out)
@@ -305,8 +313,6 @@ class Scheduler:
             if self._reserve(seq, n):
                 out.batch.append((seq, n))
                 budget -= n
-                if self.lookahead and seq.n_remaining == 1:
-                    self._reserve_ahead(seq)
         if out.parks or out.recomputed:
             return out  # never restore or admit in the step that had to make room
         while self.parked and len(out.batch) < self.max_batch_seqs and budget > 0:
@@ -442,8 +448,8 @@ class Scheduler:
     def _reserve_ahead(self, seq: Sequence) -> None:
         """Pages for the `lookahead` positions after a decoding sequence's next one (no further
         than its length allows), from free pages only, and only while a page stays free for
-        every running sequence: never by evicting a cached prefix, never at the cost of a
-        preemption."""
+        every running sequence: never by evicting a cached prefix. `schedule` asks once the
+        step's batch is made, and only while nothing waits or is parked."""
         left = min(seq.request.params.max_tokens - seq.n_generated,
                    self.max_context - len(seq.token_ids))
         need = self.pages_needed(seq, 1 + min(self.lookahead, left - 1))
@@ -475,6 +481,10 @@ class Scheduler:
         shared = 0
         while shared < len(seq.pages) and self.allocator.refs[seq.pages[shared]] > 1:
             shared += 1
+        # pages given ahead hold nothing yet: freed, not parked
+        held = max(shared, pages_for(seq.n_computed, self.page_size))
+        self.allocator.free(seq.pages[held:])
+        seq.pages = seq.pages[:held]
         moved = seq.pages[shared:]
         if self.park_slots.can_allocate(len(moved)):
             slots = self.park_slots.allocate(len(moved))

@@ -180,8 +180,19 @@ MAX_PAGES = 1 << 24  # KV pages or park slots of one pool
 KV_MODES = ("device", "host")
 OVERLAP = ("auto", "on", "off")
 # Decode steps an overlapping worker keeps enqueued before their plans arrive (worker/overlap.py);
-# the coordinator gives decoding sequences pages this many positions ahead, while pages are free.
+# the coordinator gives decoding sequences pages as many positions ahead, while pages are free.
 STEPS_AHEAD = 2
+
+
+def steps_ahead(overlap: str, device: str, kv: str) -> int:
+    """How many decode steps a worker that is the whole pipeline keeps enqueued ahead of its
+    plans (`--overlap`: auto is on for a CUDA device): `STEPS_AHEAD` on a CUDA device with
+    device KV; one on a CPU, where a guess is a whole synchronous step, and with host KV, whose
+    staging ring was measured with one; 0 without overlap."""
+    cuda = str(device).startswith("cuda")
+    if overlap == "off" or (overlap == "auto" and not cuda):
+        return 0
+    return STEPS_AHEAD if cuda and kv == "device" else 1
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.messages import ModelInfo, WorkerConfig
+from protocol.messages import ModelInfo, WorkerConfig, steps_ahead
 
 from .attention import choose_attention
 from .cuda_graphs import DecodeGraphs
@@ -20,7 +20,6 @@ from .kv.park_store import ParkStore
 from .kv.transport import make_transport
 from .loaders import ModelSource, resolve
 from .metrics import WorkerMetrics
-from .overlap import steps_ahead
 from .runner import ModelRunner
 
 log = logging.getLogger("siding.worker")

@@ -1,6 +1,6 @@
 """The step executor: runs one plan on this worker's layers and hands on what it produced, the
 next stage's activations or (on the last stage) the sampled tokens; with overlap, enqueues the
-step that follows a decode step before reading its tokens (worker/overlap.py).
+steps that follow a decode step before reading its tokens (worker/overlap.py).
 
 It knows plans and tensors, not sockets: the process gives it where results and activations go.
 """
@@ -18,7 +18,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import Activations, Step, StepError, StepResult
 
 from .metrics import WorkerMetrics
-from .overlap import Ahead, continues, follow_on
+from .overlap import Ahead, TokenCopy, continues, follow_on
 from .runner import ModelRunner, SequenceFault
 
 log = logging.getLogger("siding.worker")
@@ -63,12 +63,10 @@ class StepExecutor:
                     self.used_streak += 1
                     for s in plan.seqs:
                         runner.add_pages(s)
-                    self._overlapped(plan, ahead.tokens, ahead.started)
+                    self._overlapped(plan, ahead.tokens, ahead.started, ahead.copy)
                     return
-                for _ in range(1 + len(self.ahead)):  # those after it were enqueued on it
-                    self.metrics.ahead("dropped")
-                self.ahead.clear()
-                self.used_streak = 0
+                self.metrics.ahead("dropped")
+                self._drop_ahead()  # those after it were enqueued on it
             meta = runner.apply(plan)
             if isinstance(upstream, Activations):
                 self.forward_failure(plan.step)
@@ -89,7 +87,7 @@ class StepExecutor:
                 self.to_next(header, [out.view(torch.uint8).numpy()])
         except Exception as e:  # a bad plan or a failed kernel fails this step, not the worker
             log.exception("step %d failed", plan.step)
-            self.ahead.clear()
+            self._drop_ahead()
             culprits = [e.seq_id] if isinstance(e, SequenceFault) else []
             self.to_coordinator(StepError(step=plan.step, code="internal",
                                           message=f"worker {self.rank}: {e}", seq_ids=culprits))
@@ -105,29 +103,30 @@ class StepExecutor:
         if self.to_next is not None:
             self.to_next(Activations(step=step, dtype="", shape=[]), [b""])
 
-    def _overlapped(self, plan: Step, tokens: torch.Tensor, t0: float) -> None:
-        """Send `plan`'s tokens (on the device, maybe still being computed) and top up the steps
-        enqueued ahead of it, where they can be guessed: on a GPU before reading the tokens, so
-        that the device goes on while the host waits; on a CPU after sending them (the forward
-        pass is synchronous there)."""
-        runner = self.runner
-        park_seconds = runner.park_seconds  # the next step's apply resets it
-        cuda = tokens.device.type == "cuda"
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
-        host.copy_(tokens, non_blocking=cuda)
-        done = None
-        if cuda:
-            done = torch.cuda.Event()
-            done.record()
+    def _drop_ahead(self) -> None:
+        for _ in self.ahead:
+            self.metrics.ahead("dropped")
+        self.ahead.clear()
+        self.used_streak = 0
+
+    def _overlapped(self, plan: Step, tokens: torch.Tensor, t0: float,
+                    copy: TokenCopy | None = None) -> None:
+        """Send `plan`'s tokens (on the device, maybe still being computed; `copy`: their copy
+        to the host, if it was started) and top up the steps enqueued ahead of it, where they
+        can be guessed. With a step still enqueued behind `plan` the device is busy: the tokens
+        go as soon as they land, then more is enqueued. Without, on a GPU, the next step is
+        enqueued first, so that the device goes on while the host waits; on a CPU the forward
+        pass is synchronous and the tokens are there already."""
+        park_seconds = self.runner.park_seconds  # the next step's apply resets it
+        copy = copy or TokenCopy.start(tokens)
         ids = [s.id for s in plan.seqs if s.sample]
-        chosen = None
-        if not cuda:
-            chosen = host.tolist()
+        if self.ahead or copy.done is None:
+            chosen = copy.read()
             self._send_tokens(plan, ids, chosen, t0, park_seconds)
-        self._enqueue_ahead(plan, tokens)
-        if cuda:
-            done.synchronize()
-            chosen = host.tolist()
+            self._enqueue_ahead(plan, tokens)
+        else:
+            self._enqueue_ahead(plan, tokens)
+            chosen = copy.read()
             self._send_tokens(plan, ids, chosen, t0, park_seconds)
         if self.ahead and self.ahead[0].inputs is None:  # the step after `plan`
             self.ahead[0].inputs = chosen
@@ -151,9 +150,9 @@ class StepExecutor:
                 out = runner.forward(nxt, meta, None, tokens)
                 tokens = runner.draw(nxt, meta, out)
             except Exception:  # the plans themselves are unharmed: the guess is not made
-                log.exception("step %d: the step after it could not be enqueued", plan.step)
+                log.exception("a decode step could not be enqueued ahead of its plan")
                 return
-            self.ahead.append(Ahead(nxt, None, tokens, started))
+            self.ahead.append(Ahead(nxt, None, tokens, started, TokenCopy.start(tokens)))
             plan = nxt
 
     def _send_tokens(self, plan: Step, seq_ids: list[int], tokens: list[int], t0: float,

@@ -12,7 +12,7 @@ chosen, still on the device: greedy or drawn, since the draw is made on the devi
 (seed, position), worker/sampler.py) before it reads that token on the host: up to
 `STEPS_AHEAD` of them, each on the one before's tokens, so that a round trip to the coordinator
 longer than a step is hidden too (one on a CPU, where a guess is a whole synchronous step, and
-with host KV, whose staging ring was measured with one; `steps_ahead`). When
+with host KV, whose staging ring was measured with one: `protocol.messages.steps_ahead`). When
 the coordinator's plan arrives and is the first of them (`Ahead.matches`: the same sequences,
 positions and tokens, nothing freed, parked, restored or copied; pages it adds are taken), its
 work is already on the device; otherwise it and those after it are dropped and the plan runs as
@@ -39,23 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.messages import STEPS_AHEAD, SeqPlan, Step
+from protocol.messages import SeqPlan, Step
 
 from .runner import ModelRunner
-
-
-def overlap_enabled(setting: str, device: torch.device | str) -> bool:
-    """`--overlap`: on, off, or auto (on for a CUDA device)."""
-    if setting == "auto":
-        return torch.device(device).type == "cuda"
-    return setting == "on"
-
-
-def steps_ahead(setting: str, device: torch.device | str, kv: str) -> int:
-    """How many steps a worker keeps enqueued ahead: 0 without overlap."""
-    if not overlap_enabled(setting, device):
-        return 0
-    return STEPS_AHEAD if torch.device(device).type == "cuda" and kv == "device" else 1
 
 
 def continues(last: Step | None, plan: Step) -> bool:
@@ -67,17 +53,45 @@ def continues(last: Step | None, plan: Step) -> bool:
 
 def follow_on(plan: Step, runner: ModelRunner) -> Step | None:
     """The step that continues `plan` if the worker may enqueue it before it is asked: every
-    sequence decodes and has room for one more position in its pages."""
+    sequence decodes and has room for one more position in its pages and in the model's
+    context."""
     if not (runner.first and runner.last and plan.seqs):
         return None
     seqs = []
+    max_context = runner.stage.args.max_context
     for s in plan.seqs:
         if s.n != 1 or not s.sample:
             return None
-        if s.start + 2 > len(runner.tables[s.id]) * runner.pool.page_size:
-            return None  # the next position needs a page only the coordinator can give
+        if s.start + 2 > min(len(runner.tables[s.id]) * runner.pool.page_size, max_context):
+            return None  # the next position needs a page only the coordinator can give, or
+            # lies past the model's positions (pages ahead end on a page boundary)
         seqs.append(SeqPlan(id=s.id, start=s.start + 1, n=1, sample=True))
     return Step(step=plan.step, seqs=seqs, token_ids=[0] * len(seqs))  # inputs on the device
+
+
+@dataclass
+class TokenCopy:
+    """A step's tokens on their way to the host: a pinned copy enqueued right behind the step,
+    so that reading them waits for that step only, not for steps enqueued after it."""
+
+    host: torch.Tensor
+    done: torch.cuda.Event | None  # None on a CPU, where the copy is made at once
+
+    @classmethod
+    def start(cls, tokens: torch.Tensor) -> TokenCopy:
+        cuda = tokens.device.type == "cuda"
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
+        host.copy_(tokens, non_blocking=cuda)
+        done = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return cls(host, done)
+
+    def read(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
 
 
 @dataclass
@@ -88,6 +102,7 @@ class Ahead:
     inputs: list[int] | None  # the tokens it was enqueued on (the step before's), once read
     tokens: torch.Tensor  # its tokens, on the device
     started: float  # perf_counter when it was enqueued: its forward time counts from there
+    copy: TokenCopy | None = None  # its tokens' copy to the host, started when it was enqueued
 
     def matches(self, plan: Step) -> bool:
         """Whether `plan` is this step exactly: the same sequences at the same positions on

@@ -17,21 +17,24 @@ from protocol.messages import (
     SeqPlan,
     Step,
     WorkerConfig,
+    steps_ahead,
 )
 from worker.executor import StepExecutor
 from worker.kv.park_store import ParkStore
 from worker.loaders.synthetic import SyntheticSource
-from worker.overlap import Ahead, continues, follow_on, overlap_enabled, steps_ahead
+from worker.overlap import Ahead, continues, follow_on
 from worker.runner import ModelRunner
 from worker.sampler import SamplingParams
 
 PAGE = 4  # the page size of helpers.ring's pools, which these tests borrow
 
 
-def runner(sampling: dict[int, SamplingParams] | None = None) -> SimpleNamespace:
+def runner(sampling: dict[int, SamplingParams] | None = None, max_context: int = 64
+           ) -> SimpleNamespace:
     """What `follow_on` reads of a ModelRunner: one stage holding the whole model, sequence 1 on
     two pages (8 positions), sequence 2 on one."""
     return SimpleNamespace(first=True, last=True, pool=SimpleNamespace(page_size=PAGE),
+                           stage=SimpleNamespace(args=SimpleNamespace(max_context=max_context)),
                            tables={1: [5, 6], 2: [9]}, sampling=sampling or {})
 
 
@@ -101,9 +104,16 @@ def test_two_steps_ahead_only_on_a_cuda_device_with_device_kv():
     assert steps_ahead("auto", "cpu", "device") == 0 == steps_ahead("off", "cuda:0", "device")
 
 
+def test_no_guess_past_the_models_positions_though_its_pages_reach_further():
+    # sequence 1's pages hold positions 0-7; a model of 7 positions ends at 6
+    assert follow_on(decode((1, 6)), runner(max_context=7)) is None
+    assert follow_on(decode((1, 5)), runner(max_context=7)).seqs[0].start == 6
+    assert follow_on(decode((1, 6)), runner()).seqs[0].start == 7
+
+
 def test_overlap_is_on_by_default_for_cuda_and_refuses_a_bad_setting():
-    assert overlap_enabled("auto", "cuda:0") and not overlap_enabled("auto", "cpu")
-    assert overlap_enabled("on", "cpu") and not overlap_enabled("off", "cuda:0")
+    assert steps_ahead("auto", "cuda:0", "device") and not steps_ahead("auto", "cpu", "device")
+    assert steps_ahead("on", "cpu", "device") and not steps_ahead("off", "cuda:0", "device")
     with pytest.raises(ValueError, match="--overlap must be one of auto, on, off"):
         WorkerConfig(overlap="yes").validate()
 

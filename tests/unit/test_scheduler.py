@@ -85,6 +85,24 @@ def test_pages_ahead_leave_a_free_page_for_every_running_sequence():
     assert len(a.pages) == len(b.pages) == 2 and s.allocator.n_unused == 1
 
 
+def test_no_page_is_given_ahead_while_a_prompt_waits_and_parking_frees_those_given():
+    s = Scheduler(PageAllocator(8), PageAllocator(8), 4, 1, 64, lookahead=2)  # one row a step
+    a, b = make_seq(0, 7), make_seq(1, 7)
+    s.add(a)
+    finish_step(s.schedule())
+    finish_step(s.schedule())  # a decodes position 7, and 8-9 are ahead: a third page
+    assert len(a.pages) == 3
+    out = Schedule()
+    s.preempt(a, out)  # 8 positions computed: two pages parked, the one ahead freed
+    assert [len(m.pages) for m in out.parks] == [2] and s.allocator.n_unused == 8
+    s.add(b)
+    finish_step(s.schedule())  # a comes back first (restores go before admissions), decodes 8
+    assert len(a.pages) == 3 and s.waiting
+    for _ in range(3):  # 9-11; at 11 the positions ahead need a fourth page, but b waits
+        finish_step(s.schedule())
+    assert len(a.pages) == 3 and s.waiting and s.allocator.n_unused == 5
+
+
 def test_no_page_is_given_ahead_past_a_sequences_length():
     s = Scheduler(PageAllocator(8), PageAllocator(4), 4, 8, 64, lookahead=2)
     seq = make_seq(0, 6)
