@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from coordinator.page_allocator import pages_for
 from protocol.messages import SeqPlan, Step
 from worker.attention import choose_attention
 from worker.cuda_graphs import DecodeGraphs
@@ -53,6 +54,7 @@ from worker.kv.host_pool import HostKVPool
 from worker.kv.park_store import ParkStore
 from worker.kv.transport import make_transport
 from worker.loaders import resolve
+from worker.overlap import TokenCopy
 from worker.runner import ModelRunner
 
 from .link import pinned_bandwidth, sync
@@ -89,7 +91,7 @@ class Arm:
     # greedy tokens, still on the device, before the host reads them.
     ahead: bool = False
     next_input: torch.Tensor | None = None  # the last step's tokens, on the device
-    unread: tuple[torch.Tensor, Any] | None = None  # their host copy, and an event after the copy
+    unread: TokenCopy | None = None  # their copy to the host, not read yet
     steps: int = 0
     tokens: list[list[int]] = field(default_factory=list)  # each step's, every sequence's
     step_seconds: list[float] = field(default_factory=list)  # one sample per round
@@ -128,12 +130,7 @@ class Arm:
             self.tokens.append(self.inputs)
         else:  # the last step's tokens: this step is already enqueued behind them
             self.read()
-            host = torch.empty(len(self.pages), dtype=torch.int64, pin_memory=cuda)
-            host.copy_(self.next_input, non_blocking=True)
-            done = torch.cuda.Event() if cuda else None
-            if done is not None:
-                done.record()
-            self.unread = (host, done)
+            self.unread = TokenCopy.start(self.next_input)
         t3 = time.perf_counter()
         if timed:
             self.timed += 1
@@ -147,10 +144,7 @@ class Arm:
     def read(self) -> None:
         """An overlapped arm's last tokens, once the device has them; a no-op when read."""
         if self.unread is not None:
-            host, done = self.unread
-            if done is not None:
-                done.synchronize()
-            self.inputs = host.tolist()
+            self.inputs = self.unread.read()
             self.tokens.append(self.inputs)
             self.unread = None
 
@@ -226,18 +220,13 @@ def arm_names(a: argparse.Namespace) -> list[str]:
     return names + [f"ahead {n}" for n in names] if a.ahead else names
 
 
-def seq_pages(context: int, total_steps: int, page_size: int) -> int:
-    """The pages of one sequence that starts at `context` and decodes `total_steps`."""
-    return -(-(context + total_steps) // page_size)
-
-
 def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
                device: torch.device, a: argparse.Namespace,
                graphs: bool = False, batch: int = 1) -> list[Arm]:
     """A device-KV arm, an ordered arm and one per depth, and with `--ahead` an overlapped twin
     of each, every pool holding the same KV for `batch` sequences of `context` positions; each
     with decode graphs of its own when `graphs`."""
-    per_seq = seq_pages(context, total_steps, a.page_size)
+    per_seq = pages_for(context + total_steps, a.page_size)  # a sequence's
     n_pages = batch * per_seq
     shape = (args.n_layers, n_pages, a.page_size, args.n_kv_heads, args.head_dim)
     pools: dict[str, KVPool | HostKVPool] = {}
@@ -290,7 +279,7 @@ def total_steps(context: int, a: argparse.Namespace) -> int:
 
 def host_bytes(args, batch: int, context: int, a: argparse.Namespace, dtype: torch.dtype) -> int:
     """Pinned memory the point's host pools take: each holds every layer's K and V."""
-    pages = batch * seq_pages(context, total_steps(context, a), a.page_size)
+    pages = batch * pages_for(context + total_steps(context, a), a.page_size)
     per_pool = 2 * args.n_layers * pages * a.page_size * args.n_kv_heads * args.head_dim * (
         dtype.itemsize)
     return per_pool * len(host_arms(a)) * (2 if a.ahead else 1)
@@ -301,7 +290,7 @@ def run_context(stage, args, context: int, dtype, device, a, link: Spread,
     arms = build_arms(stage, args, context, total_steps(context, a), dtype, device, a, graphs,
                       batch)
     ordered = arms[1].pool
-    per_seq = -(-(context + 1) // a.page_size)  # a sequence's pages in the first timed step
+    per_seq = pages_for(context + 1, a.page_size)  # a sequence's pages in the first timed step
     window = batch * per_seq
     kv_bytes = args.n_layers * window * ordered.ring.page_bytes  # a step's deliveries
     copy = Spread.of(copy_seconds(ordered, [range(p[0], p[0] + per_seq) for p in arms[1].pages],

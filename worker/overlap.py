@@ -25,8 +25,7 @@ A dropped step costs device time, never bytes: it computes what the real step wo
 rows of the same sequences on the same pages), and the K and V rows it writes past each context
 lie in the sequence's last pages, which it owns alone (a fork copies the tail page; a cached page
 is a full one), where the next step to reach that position writes again before anything reads
-it. Exact mode
-keeps its guarantee: a row's bits do not depend on which step carried it.
+it. Exact mode keeps its guarantee: a row's bits do not depend on which step carried it.
 
 `--overlap` (`on`, `off`) decides it; `auto`, the default, turns it on for a CUDA device, where
 it was measured to help with either KV mode (docs/overlap-scheduling.md). On a CPU the forward
@@ -62,9 +61,10 @@ def follow_on(plan: Step, runner: ModelRunner) -> Step | None:
     for s in plan.seqs:
         if s.n != 1 or not s.sample:
             return None
+        # the next position needs a page only the coordinator can give, or lies past the
+        # model's positions (pages given ahead end on a page boundary)
         if s.start + 2 > min(len(runner.tables[s.id]) * runner.pool.page_size, max_context):
-            return None  # the next position needs a page only the coordinator can give, or
-            # lies past the model's positions (pages ahead end on a page boundary)
+            return None
         seqs.append(SeqPlan(id=s.id, start=s.start + 1, n=1, sample=True))
     return Step(step=plan.step, seqs=seqs, token_ids=[0] * len(seqs))  # inputs on the device
 
