@@ -11,8 +11,12 @@ included:
     piece l + 1:  layer l's new rows into its pages (after a host pool's carried rows, the last
                   step's, which its slot was filled without), its attention, the rest of layer l,
                   layer l + 1 up to q, k, v                              (0 <= l < L)
+                  and on the last stage's last piece the head: the final norm, the logits
+                  (into one buffer all graphs share) and their argmax, the greedy tokens
 
-(captured as one graph each, or several layers' pieces to a graph: below).
+(captured as one graph each, or several layers' pieces to a graph: below). A step that only
+takes greedy tokens needs nothing after the replay; one that draws reads the logits
+(`Head`).
 
 What changes from step to step is data in fixed buffers (`StepBuffers`), written by two copies
 before the replay: positions, the flat page tables, the attention blocks, and each layer's page
@@ -45,7 +49,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -62,6 +66,15 @@ log = logging.getLogger("siding.worker")
 
 MAX_ROWS = 256  # decode steps with more rows run eagerly
 PREPARED_SPLITS = 8  # graphs built at load: contexts up to 8 splits (2048 keys)
+
+
+@dataclass(frozen=True)
+class Head:
+    """What a replay of the last stage computed past its last layer, for the step's rows; valid
+    until the next replay."""
+
+    greedy: torch.Tensor  # [n] int64: the argmax of each row's logits
+    logits: torch.Tensor  # [n, vocab] in the model's dtype (`StageModel.logits` before .float())
 
 
 class StepBuffers:
@@ -192,7 +205,9 @@ class StepGraph:
     """The buffers and pieces of one (row bucket, split bucket)."""
 
     def __init__(self, stage: StageModel, pool: Pool, rows: int, splits: int,
-                 device: torch.device, dtype: torch.dtype, capture: bool):
+                 device: torch.device, dtype: torch.dtype, capture: bool,
+                 logits: torch.Tensor | None = None):
+        """logits: on the last stage, [rows, vocab] of the graphs' shared logits buffer."""
         a = stage.args
         self.buffers = b = StepBuffers(rows, splits, stage, pool, device, capture)
         if stage.embed is not None:
@@ -202,6 +217,8 @@ class StepGraph:
         self.x: torch.Tensor | None = None  # hidden rows between pieces
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.qkv: list[tuple[torch.Tensor, ...]] = []  # each layer's q, k, v
+        self.logits = logits
+        self.greedy: torch.Tensor | None = None  # [rows] the logits' argmax, on the last stage
         self.keep: list[Any] = []  # every piece's outputs: memory no later capture may reuse
         self.pieces: list[Callable[[], None]] = []
         self.captured: list[torch.cuda.CUDAGraph] = []
@@ -220,6 +237,10 @@ class StepGraph:
                 self.x = layers[i].after_attention(self.x, attn)
                 if i + 1 < n:
                     self.qkv.append(layers[i + 1].before_attention(self.x, *self.rope))
+                elif logits is not None:  # the head, as `StageModel.logits` before .float()
+                    out = stage.output(stage.norm(self.x))
+                    logits.copy_(out)
+                    self.greedy = out.argmax(dim=-1)  # the same index as in float32
             return piece
 
         self.fns = [first, *(layer(i) for i in range(n))]
@@ -277,6 +298,13 @@ class DecodeGraphs:
         self.memory_pool = torch.cuda.graph_pool_handle() if capture else None
         # (rows, splits, layers a piece holds: 0 for one graph a step) -> graph
         self.graphs: dict[tuple[int, int, int], StepGraph] = {}
+        # On the last stage the graphs end with the head: each replay's logits land here (one
+        # buffer for every graph, outside their memory pool), its greedy tokens in the graph's
+        self.logits = None
+        if stage.output is not None:
+            self.logits = torch.empty(MAX_ROWS, stage.output.weight.shape[0], dtype=self.dtype,
+                                      device=self.device)
+        self.head: Head | None = None  # the last replay's, for its n rows
         self._key: Any = None  # the pool's graph_key the graphs were captured against
 
     @property
@@ -328,6 +356,7 @@ class DecodeGraphs:
                 for i in group:
                     _, k, v = g.qkv[i]
                     layers[i].leave(*((k, v) if n == len(k) else (k[:n], v[:n])))
+        self.head = None if g.greedy is None else Head(g.greedy[:n], g.logits[:n])
         return g.x[:n].clone()  # the next replay overwrites g.x
 
     def _current(self) -> bool:
@@ -348,7 +377,7 @@ class DecodeGraphs:
 
     def _build(self, rows: int, splits: int, size: int) -> StepGraph:
         g = StepGraph(self.stage, self.kv_pool, rows, splits, self.device, self.dtype,
-                      self.capture)
+                      self.capture, None if self.logits is None else self.logits[:rows])
         if not self.capture:
             g.pieces = g.pieces_of(size) if size else g.fns
         else:
@@ -388,7 +417,7 @@ class DecodeGraphs:
                 fn()
             # a replay rewrites these tensors in place; the attributes the pieces set are not
             # reset by it
-            g.keep.append((g.x, g.rope, list(g.qkv), g.buffers.write_page,
+            g.keep.append((g.x, g.rope, list(g.qkv), g.greedy, g.buffers.write_page,
                            g.buffers.write_offset, g.buffers.carry_pages))
             g.captured.append(graph)
             # launched through the driver, on the stream current now (the worker's only

@@ -10,7 +10,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import SeqPlan, Step
 
 from .batch import BatchMeta, build_meta, device_ints
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, Head
 from .kv.park_store import ParkStore
 from .kv.pool import Pool
 from .model import StageModel
@@ -39,6 +39,7 @@ class ModelRunner:
         self.tables: dict[int, list[int]] = {}
         self.sampling: dict[int, SamplingParams] = {}
         self.park_seconds = 0.0  # of the last applied plan
+        self.head: Head | None = None  # the last forward's, where a graph replay computed it
 
     def apply(self, plan: Step) -> BatchMeta:
         """Apply the plan's deltas (free, park, restore, copies, pages) and build the step's
@@ -100,6 +101,7 @@ class ModelRunner:
         """hidden: [T, dim] from the previous stage (None on the first). tokens: the first
         stage's input ids already on the device (the last step's `greedy`), in place of the
         plan's. Returns [T, dim]."""
+        self.head = None
         if not plan.seqs:  # a step that only parks or restores
             return torch.empty(0, self.stage.args.dim, device=self.device)
         if not self.first:
@@ -112,6 +114,7 @@ class ModelRunner:
         if (self.graphs is not None and meta.decode_only
                 and self.graphs.bucket_rows(meta.n_seqs) is not None):
             out = self.graphs.forward(inputs, layer_meta)
+            self.head = self.graphs.head
         else:
             out = self.stage(inputs, meta.positions, self.pool.layers, layer_meta)
         self.pool.end_step()
@@ -122,11 +125,14 @@ class ModelRunner:
         """The tokens of the plan's sequences that sample, left on the device (the next step can
         be enqueued on them before the host reads them): [N] int64."""
         sampled = [s for s in plan.seqs if s.sample]
+        head, self.head = self.head, None
         if not sampled:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         params = [self.sampling.get(s.id, SamplingParams()) for s in sampled]
-        return sample_tokens(self._logits(meta, hidden), params,
-                             [s.start + s.n for s in sampled])
+        positions = [s.start + s.n for s in sampled]
+        if head is not None and len(sampled) == len(plan.seqs):  # the replay's head: every row
+            return sample_tokens(head.logits, params, positions, head.greedy)
+        return sample_tokens(self._logits(meta, hidden), params, positions)
 
     def sample(self, plan: Step, meta: BatchMeta, hidden: torch.Tensor) -> tuple[list, list]:
         """Sampled (sequence ids, tokens) for the plan's sequences that sample, read on the

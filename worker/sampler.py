@@ -59,11 +59,12 @@ def uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
-                  ) -> torch.Tensor:
-    """logits: [N, vocab] float32; positions[i]: the position the sampled token will occupy.
-    -> [N] int64 on the logits' device (the host has not waited for it)."""
-    tokens = logits.argmax(dim=-1)
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+                  greedy: torch.Tensor | None = None) -> torch.Tensor:
+    """logits: [N, vocab], float32 or the model's dtype (drawn rows are drawn in float32);
+    positions[i]: the position the sampled token will occupy; greedy: the logits' argmax where
+    it is known already. -> [N] int64 on the logits' device (the host has not waited for it)."""
+    tokens = logits.argmax(dim=-1) if greedy is None else greedy.clone()
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if not drawn:
         return tokens
@@ -79,7 +80,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], positions:
         [drawn, [draw_seed(p.seed, positions[i]) for p, i in zip(ps, drawn)], top_ks,
          floats.tolist()], dev)
     floats = floats.view(torch.float64).float().view(-1, 2)
-    x = logits[rows] / floats[:, :1]
+    x = logits[rows].float() / floats[:, :1]
     if k_max := max(top_ks):
         kth = torch.topk(x, k_max, dim=-1).values.gather(1, (ks.clamp(min=1) - 1)[:, None])
         x = x.masked_fill((ks > 0)[:, None] & (x < kth), float("-inf"))

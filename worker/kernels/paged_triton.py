@@ -11,10 +11,11 @@ per-row elementwise kernels every mode shares (RMSNorm, RoPE, ...) are `rowwise_
   of SPLIT key positions); its tile rows are (position, query head) pairs, so tensor cores do
   both products, and a tensor-core row's result depends on that row alone. A program walks the
   sequence's page table in logical order, BLOCK_KV keys at a time, with an online softmax; a
-  second kernel combines a row's splits in order. Tiles and splits are aligned to absolute
-  positions, and tiles past a row's position leave its state exactly unchanged, so neither the
-  query count, the context of the launch, nor the physical pages change a bit: a decode row is
-  a block of one position and gets the bits it gets inside a prompt chunk.
+  second kernel combines a row's splits, COMBINE_CHUNK at a time in logical order. Tiles and
+  splits are aligned to absolute positions, and tiles past a row's position leave its state
+  exactly unchanged, so neither the query count, the context of the launch, nor the physical
+  pages change a bit: a decode row is a block of one position and gets the bits it gets inside
+  a prompt chunk.
 - `write_rows`: a decode graph's new K and V rows into their pages, and a host pool's carried
   rows with them, in one launch (a copy: no arithmetic, so no bit to keep).
 
@@ -37,6 +38,7 @@ MATMUL_WARPS, MATMUL_STAGES = 4, 3
 SPLIT = ATTENTION_SPLIT  # key positions per attention split
 BLOCK_KV = 32  # key positions per tile inside a split; divides SPLIT
 BLOCK_ROWS = 64  # (query position, head) rows per attention program
+COMBINE_CHUNK = 32  # splits a combine program loads at once
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -166,21 +168,29 @@ def _attention_split_kernel(
 @triton.jit(do_not_specialize=["max_splits"])
 def _attention_combine_kernel(m_ptr, l_ptr, o_ptr, row_pos_ptr, out_ptr, stride_ot, stride_oh,
                               max_splits, H: tl.constexpr, D: tl.constexpr,
-                              SPLIT: tl.constexpr):
+                              SPLIT: tl.constexpr, CHUNK: tl.constexpr):
+    # A row's splits, CHUNK at a time in logical order: each chunk's loads are issued together
+    # (split by split, a 4,096-key decode row waited on 2 x 128 loads in turn), and the order of
+    # the sums depends on the row's own split count alone
     t, h = tl.program_id(0), tl.program_id(1)
     pos = tl.load(row_pos_ptr + t)  # -1: a padding row (its output is zeros)
-    n = tl.where(pos < 0, 0, pos // SPLIT + 1)  # this row's splits, combined in logical order
+    n = tl.where(pos < 0, 0, pos // SPLIT + 1)  # this row's splits
     base = (t.to(tl.int64) * H + h) * max_splits
     d = tl.arange(0, D)
+    c = tl.arange(0, CHUNK)
     m = tl.full((), float("-inf"), tl.float32)
-    for j in range(0, n):
-        m = tl.maximum(m, tl.load(m_ptr + base + j))
+    for j in range(0, n, CHUNK):
+        m = tl.maximum(m, tl.max(tl.load(m_ptr + base + j + c, mask=j + c < n,
+                                         other=float("-inf")), axis=0))
     l_sum = tl.zeros((), tl.float32)
     acc = tl.zeros((D,), tl.float32)
-    for j in range(0, n):
-        w = tl.exp(tl.load(m_ptr + base + j) - m)
-        l_sum += tl.load(l_ptr + base + j) * w
-        acc += tl.load(o_ptr + (base + j) * D + d) * w
+    for j in range(0, n, CHUNK):
+        live = j + c < n
+        w = tl.where(live, tl.exp(tl.load(m_ptr + base + j + c, mask=live, other=0.0) - m), 0.0)
+        l_sum += tl.sum(tl.load(l_ptr + base + j + c, mask=live, other=0.0) * w, axis=0)
+        o = tl.load(o_ptr + (base + j + c)[:, None] * D + d[None, :], mask=live[:, None],
+                    other=0.0)
+        acc += tl.sum(o * w[:, None], axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d,
              tl.where(l_sum > 0, acc / l_sum, 0.0).to(out_ptr.dtype.element_ty))
 
@@ -271,7 +281,8 @@ def launch(q, k_pool, v_pool, tables, base, blocks, positions, scratch, out, sca
         BLOCK_P=block_p or block_rows(h, k_pool.shape[2]), D=d, SPLIT=split, BLOCK_KV=BLOCK_KV,
     )
     _attention_combine_kernel[(t, h)](m, l_split, o, positions, out, out.stride(0),
-                                      out.stride(1), max_splits, H=h, D=d, SPLIT=split)
+                                      out.stride(1), max_splits, H=h, D=d, SPLIT=split,
+                                      CHUNK=COMBINE_CHUNK)
 
 
 @triton.jit
