@@ -12,21 +12,55 @@ import torch
 from .uploads import upload
 
 
+class StepInts:
+    """A step's per-row ints and page tables, moved to the device in one copy on first use: a
+    captured decode step reads its own buffers instead (worker/cuda_graphs.py) and never needs
+    them."""
+
+    def __init__(self, groups: list[list[int]], device: torch.device | str):
+        self.groups, self.device = groups, device
+        self._tensors: list[torch.Tensor] | None = None
+
+    def get(self) -> list[torch.Tensor]:
+        if self._tensors is None:
+            self._tensors = device_ints(self.groups, self.device)
+        return self._tensors
+
+
 @dataclass
 class BatchMeta:
-    positions: torch.Tensor  # [T] int64, absolute position of each row
     query_starts: list[int]  # [B + 1] row offsets of each sequence in T
     context_lens: list[int]  # [B] positions held after this step
-    page_tables: list[torch.Tensor]  # B x [n_pages] int64, logical order
-    write_pages: torch.Tensor  # [T] int64, page that receives each row's K/V
-    write_offsets: torch.Tensor  # [T] int64, offset of the row inside that page
-    sample_rows: torch.Tensor  # [N] int64, rows whose logits are sampled
     decode_only: bool  # every sequence contributes exactly one row
-    # What page_tables, write_pages and write_offsets were built from, as ints in the pool's page
-    # ids (a meta renumbered into a staging slot keeps these: its host pool reads them)
+    # What the tensors below are built from, as ints in the pool's page ids (a meta renumbered
+    # into a staging slot keeps these: its host pool reads them)
     used_pages: list[list[int]]  # B x [n_pages]
     row_pages: list[int]  # [T]
     row_offsets: list[int]  # [T]
+    ints: StepInts  # positions, write pages and offsets, sample rows, page tables
+    # in place of the page tables and write pages of `ints` (a staging slot's numbering)
+    tables: list[torch.Tensor] | None = None
+    writes: torch.Tensor | None = None
+
+    @property
+    def positions(self) -> torch.Tensor:  # [T] int64, absolute position of each row
+        return self.ints.get()[0]
+
+    @property
+    def write_pages(self) -> torch.Tensor:  # [T] int64, page that receives each row's K/V
+        return self.ints.get()[1] if self.writes is None else self.writes
+
+    @property
+    def write_offsets(self) -> torch.Tensor:  # [T] int64, offset of the row inside that page
+        return self.ints.get()[2]
+
+    @property
+    def sample_rows(self) -> torch.Tensor:  # [N] int64, rows whose logits are sampled
+        return self.ints.get()[3]
+
+    @property
+    def page_tables(self) -> list[torch.Tensor]:  # B x [n_pages] int64, logical order
+        return self.ints.get()[4:] if self.tables is None else self.tables
 
     @property
     def n_seqs(self) -> int:
@@ -62,6 +96,15 @@ def int64s(values: Iterable[int]) -> torch.Tensor:
     return torch.frombuffer(a, dtype=torch.int64) if a else torch.empty(0, dtype=torch.int64)
 
 
+def ints_into(values: Iterable[int], out: torch.Tensor) -> None:
+    """Python ints into the front of `out` (int64, on any device), as `to_device` moves them."""
+    flat = int64s(values)
+    if out.device.type == "cuda":
+        upload(flat, out.device, out[:flat.numel()])
+    else:
+        out[:flat.numel()].copy_(flat)
+
+
 def to_device(flat: torch.Tensor, sizes: list[int], device: torch.device | str
               ) -> list[torch.Tensor]:
     """A host int64 tensor -> pieces of `sizes` on `device`, moved at once. For CUDA through
@@ -90,18 +133,12 @@ def build_meta(
 
     context_lens = [s + n for s, n in zip(starts, counts)]
     used = [table[: -(-c // page_size)] for table, c in zip(tables, context_lens)]
-    positions_t, pages_t, offsets_t, sample_t, *tables_t = device_ints(
-        [positions, pages, offsets, sample_rows, *used], device)
     return BatchMeta(
-        positions=positions_t,
         query_starts=query_starts,
         context_lens=context_lens,
-        page_tables=tables_t,
-        write_pages=pages_t,
-        write_offsets=offsets_t,
-        sample_rows=sample_t,
         decode_only=all(n == 1 for n in counts),
         used_pages=used,
         row_pages=pages,
         row_offsets=offsets,
+        ints=StepInts([positions, pages, offsets, sample_rows, *used], device),
     )

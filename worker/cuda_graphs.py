@@ -51,12 +51,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
+from itertools import chain, repeat
 from typing import Any
 
 import torch
 
 from . import cuda_driver
-from .batch import BatchMeta, device_ints
+from .batch import BatchMeta, ints_into
 from .kernels import ATTENTION_SPLIT, splits_bucket
 from .kv.pool import Pool
 from .kv.rows import write_rows
@@ -86,13 +87,14 @@ class StepBuffers:
         self.rows, self.pool = rows, pool
         n_layers = len(pool.layers)
         # positions [rows] | attention positions [rows], -1 past the batch | blocks [rows, 3]
-        # | page bases [layers]: one flat buffer, so one copy a step
-        self.ints = torch.zeros(5 * rows + n_layers, dtype=torch.int64, device=device)
-        self.positions, self.attn_positions, blocks, self.bases = self.ints.split(
-            [rows, rows, 3 * rows, n_layers])
-        self.blocks = blocks.view(rows, 3)
+        # | page bases [layers] | the flat page tables: one buffer, so one upload a step
         self.pages_per_row = -(-splits * ATTENTION_SPLIT // pool.page_size)
-        self.tables = torch.zeros(rows * self.pages_per_row, dtype=torch.int64, device=device)
+        self.n_head = 5 * rows + n_layers
+        self.ints = torch.zeros(self.n_head + rows * self.pages_per_row, dtype=torch.int64,
+                                device=device)
+        self.positions, self.attn_positions, blocks, self.bases, self.tables = self.ints.split(
+            [rows, rows, 3 * rows, n_layers, rows * self.pages_per_row])
+        self.blocks = blocks.view(rows, 3)
         # captured: the Triton kernels, launched over these buffers; else the pool's eager paths
         self.kernels = pool.attention.kernels if capture else None
         self.scratch = self.split = self.block_p = None
@@ -119,27 +121,32 @@ class StepBuffers:
         """A step with no rows: what a capture runs, writing only the spare page."""
         self.ints.zero_()
         self.attn_positions.fill_(-1)
+        self._tables = None
         if self.carry_at is not None:
             self._fill_carried(None)
 
     def fill(self, meta: BatchMeta) -> None:
-        """meta: what the pool's begin_step returned; its tables number the pool's buffers
-        before each layer's base. The same list again means the same tables (never modified in
-        place): they are copied to the device only when it changes."""
+        """meta: what the pool's begin_step returned. The pool's own page ids (a device pool)
+        go up with the rest, from the host; tables renumbered into a staging ring's buffers
+        (before each layer's base) are on the device already, and the same list again means the
+        same tables (never modified in place): they are copied only when it changes."""
         n, rows = meta.n_seqs, self.rows
         pad = rows - n
         positions = [c - 1 for c in meta.context_lens]  # a decode row is its context's last
-        tables = meta.page_tables
         starts = [0]
-        for t in tables:
-            starts.append(starts[-1] + t.numel())
+        for t in meta.used_pages:
+            starts.append(starts[-1] + len(t))
         blocks = [v for b in range(n) for v in (starts[b], b, 1)]
-        (src,) = device_ints([positions + [0] * pad + positions + [-1] * pad + blocks
-                              + [0] * 3 * pad + self.pool.page_bases()], self.ints.device)
-        self.ints.copy_(src)
-        if tables is not self._tables:  # a host pool hands the same tables while they hold
-            self.tables[:starts[-1]].copy_(torch.cat(tables))
-            self._tables = tables
+        head = chain(positions, repeat(0, pad), positions, repeat(-1, pad), blocks,
+                     repeat(0, 3 * pad), self.pool.page_bases())
+        if meta.tables is None:
+            ints_into(chain(head, chain.from_iterable(meta.used_pages)), self.ints)
+            self._tables = None
+        else:
+            ints_into(head, self.ints)
+            if meta.tables is not self._tables:  # a host pool hands the same while they hold
+                self.tables[:starts[-1]].copy_(torch.cat(meta.tables))
+                self._tables = meta.tables
         if self.carry_at is not None:
             self._fill_carried(self.pool.carried)
         self.meta = meta
@@ -195,7 +202,7 @@ class StepBuffers:
         # eager pieces: the pool's own attention over the real rows, through the same bases
         meta, n = self.meta, self.meta.n_seqs
         offset = pool.page_bases()[layer]
-        shifted = replace(meta, page_tables=[t + offset for t in meta.page_tables])
+        shifted = replace(meta, tables=[t + offset for t in meta.page_tables])
         out = torch.zeros_like(q)
         out[:n] = pool.attention(q[:n], k_pages, v_pages, shifted, pool.scale)
         return out

@@ -49,12 +49,12 @@ class Uploads:
         self.slots: list[_Slot | None] = [None] * SLOTS
         self.next = 0
 
-    def __call__(self, flat: torch.Tensor) -> torch.Tensor:
+    def __call__(self, flat: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """flat: a host int64 tensor -> the same on the device (enqueued on the current
-        stream; the host does not wait for it)."""
+        stream; the host does not wait for it), in `out` where given (int64, flat's size)."""
         n = flat.numel()
         if not n:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
+            return torch.empty(0, dtype=torch.int64, device=self.device) if out is None else out
         i, self.next = self.next, (self.next + 1) % SLOTS
         slot = self.slots[i]
         if slot is not None:
@@ -62,7 +62,8 @@ class Uploads:
         if slot is None or slot.host.numel() < n:
             slot = self.slots[i] = self._slot(max(MIN_ELEMENTS, 1 << (n - 1).bit_length()))
         slot.host[:n].copy_(flat)
-        out = torch.empty(n, dtype=torch.int64, device=self.device)
+        if out is None:
+            out = torch.empty(n, dtype=torch.int64, device=self.device)
         # an elementwise kernel, not `copy_`: a copy between CUDA tensors is a copy engine's
         torch.add(slot.mapped[:n], 0, out=out)
         slot.read.record(torch.cuda.current_stream(self.device).cuda_stream)
@@ -80,11 +81,13 @@ class Uploads:
 _uploads: dict[torch.device, Uploads] = {}
 
 
-def upload(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """flat (host int64) on CUDA device `device`, through its `Uploads`."""
+def upload(flat: torch.Tensor, device: torch.device, out: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """flat (host int64) on CUDA device `device` (in `out` where given), through its
+    `Uploads`."""
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     u = _uploads.get(device)
     if u is None:
         u = _uploads[device] = Uploads(device)
-    return u(flat)
+    return u(flat, out)

@@ -177,7 +177,7 @@ class HostKVPool:
         if self._layout is None or self._layout[0] != (used, pages):
             self._layout = ((used, pages), self._pack(used, pages))
         runs, slot_tables, slot_writes = self._layout[1]
-        self.meta = replace(meta, page_tables=slot_tables, write_pages=slot_writes)
+        self.meta = replace(meta, tables=slot_tables, writes=slot_writes)
         self._write = (pages, meta.row_offsets)
         self.rows = []
         self._open = True
