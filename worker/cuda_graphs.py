@@ -18,13 +18,14 @@ included:
 takes greedy tokens needs nothing after the replay; one that draws reads the logits
 (`Head`).
 
-What changes from step to step is data in fixed buffers (`StepBuffers`), written by two copies
-before the replay: positions, the flat page tables, the attention blocks, and each layer's page
-base (the slot a staging ring gives the layer this step; 0 for device pages). Rows are padded
-up to the bucket (a power of two); a padding row writes its K and V into the pool's spare page,
-attends to nothing and is dropped. The attention grid spans the bucket's keys (a power of two
-of 256-key splits), split as the pool's attention splits an eager decode step of the same bucket
-(`PagedAttention.decode_shape`); splits past a row's keys exit at once.
+What changes from step to step is data in one fixed buffer (`StepBuffers`), written by one
+upload before the replay: positions, the attention blocks, each layer's page base (the slot a
+staging ring gives the layer this step; 0 for device pages) and the flat page tables (a host
+pool's, renumbered into its ring and on the device already, copied when they change). Rows
+are padded up to the bucket (a power of two); a padding row writes its K and V into the pool's
+spare page, attends to nothing and is dropped. The attention grid spans the bucket's keys (a
+power of two of 256-key splits), split as the pool's attention splits an eager decode step of
+the same bucket (`PagedAttention.decode_shape`); splits past a row's keys exit at once.
 
 With device KV the pieces are one graph: a step is one replay. With host KV the pool's hooks run
 between pieces: before layer l's piece waits for its slot to be delivered, after it records
@@ -89,9 +90,8 @@ class StepBuffers:
         # positions [rows] | attention positions [rows], -1 past the batch | blocks [rows, 3]
         # | page bases [layers] | the flat page tables: one buffer, so one upload a step
         self.pages_per_row = -(-splits * ATTENTION_SPLIT // pool.page_size)
-        self.n_head = 5 * rows + n_layers
-        self.ints = torch.zeros(self.n_head + rows * self.pages_per_row, dtype=torch.int64,
-                                device=device)
+        self.ints = torch.zeros(5 * rows + n_layers + rows * self.pages_per_row,
+                                dtype=torch.int64, device=device)
         self.positions, self.attn_positions, blocks, self.bases, self.tables = self.ints.split(
             [rows, rows, 3 * rows, n_layers, rows * self.pages_per_row])
         self.blocks = blocks.view(rows, 3)
@@ -137,13 +137,13 @@ class StepBuffers:
         for t in meta.used_pages:
             starts.append(starts[-1] + len(t))
         blocks = [v for b in range(n) for v in (starts[b], b, 1)]
-        head = chain(positions, repeat(0, pad), positions, repeat(-1, pad), blocks,
-                     repeat(0, 3 * pad), self.pool.page_bases())
+        before_tables = chain(positions, repeat(0, pad), positions, repeat(-1, pad), blocks,
+                              repeat(0, 3 * pad), self.pool.page_bases())
         if meta.tables is None:
-            ints_into(chain(head, chain.from_iterable(meta.used_pages)), self.ints)
+            ints_into(chain(before_tables, chain.from_iterable(meta.used_pages)), self.ints)
             self._tables = None
         else:
-            ints_into(head, self.ints)
+            ints_into(before_tables, self.ints)
             if meta.tables is not self._tables:  # a host pool hands the same while they hold
                 self.tables[:starts[-1]].copy_(torch.cat(meta.tables))
                 self._tables = meta.tables
