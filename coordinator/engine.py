@@ -2,9 +2,10 @@
 
 One thread owns the worker ROUTER and the frontends' ROUTER; it speaks token ids and finish
 reasons only (text and clients are the frontends', `coordinator/frontend.py`). Each turn: read
-what arrived, apply step results through the scheduler, dispatch as many plans as may be in
-flight (one per pipeline stage), and only then send each frontend its outputs, then check the
-workers and frontends. Nothing a frontend or worker sends can raise out of the loop.
+what arrived (step results through the scheduler, then the frontends' requests), dispatch as
+many plans as may be in flight (one per pipeline stage), and only then send each frontend its
+step outputs, then check the workers and frontends. Nothing a frontend or worker sends can
+raise out of the loop.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from protocol import security, wire
 from protocol.errors import ErrorCode
 from protocol.messages import (
     Cancel,
+    Outputs,
     Ready,
     Register,
     Report,
@@ -43,7 +45,7 @@ from .page_allocator import PageAllocator
 from .plan import step_plan
 from .prefix_cache import PrefixCache
 from .requests import Requests
-from .scheduler import Schedule, Scheduler, StepOutput
+from .scheduler import Schedule, Scheduler
 from .status import cluster_status
 from .worker_group import StartupError, WorkerGroup
 
@@ -106,8 +108,9 @@ class EngineCore:
         self.requests = Requests(self.scheduler, self.frontends, self.metrics,
                                  config.max_waiting, config.max_queued_per_client)
         self.inflight: dict[int, InFlight] = {}
-        # results applied but not yet sent to the frontends: sent once the next plans are out
-        self.unsent: list[tuple[StepOutput, float]] = []
+        # step outputs applied but not yet sent to the frontends: sent once the next plans are
+        # out, (frontend, message, frame)
+        self.unsent: list[tuple[int, Outputs, bytes]] = []
         self.next_step = 0
         self.forward_seconds = [0.0, 0]  # the last stage's forward time: sum, steps
         self.draining = False
@@ -199,21 +202,22 @@ class EngineCore:
     def _poll(self, poller: zmq.Poller, timeout_ms: int) -> None:
         events = dict(poller.poll(timeout_ms))
         if self.worker_sock in events:
-            self._drain_workers()
+            self._drain(self.worker_sock, "worker", self._on_worker)
         if self.frontends.sock in events:
             self._drain(self.frontends.sock, "frontend", self._on_frontend)
+        self._send_outputs()
 
-    def _drain_workers(self) -> None:
-        """What the workers sent; where that ended steps, the next plans go out before the
-        frontends hear of the results: a worker waits on its plan, a client's stream can wait
-        the plan's encoding and send."""
-        self._drain(self.worker_sock, "worker", self._on_worker)
-        if self.unsent:
-            if self.scheduler.has_work:
-                self._dispatch()
-            unsent, self.unsent = self.unsent, []
-            for out, now in unsent:
-                self.requests.outputs(out, now)
+    def _send_outputs(self) -> None:
+        """Where results ended steps, the next plans go out (with the requests that arrived
+        meanwhile) before the frontends hear of the results: a worker waits on its plan, a
+        client's stream can wait the plan's encoding and send."""
+        if not self.unsent:
+            return
+        if self.scheduler.has_work:
+            self._dispatch()
+        unsent, self.unsent = self.unsent, []
+        for frontend, msg, frame in unsent:
+            self.frontends.send(frontend, msg, [frame])
 
     def _drain(self, sock: zmq.Socket, where: str, handle) -> None:
         def guarded(identity: bytes, msg, frames) -> None:
@@ -308,8 +312,8 @@ class EngineCore:
         self.forward_seconds[1] += 1
         if msg.park_seconds:
             self.metrics.park_seconds.observe(msg.park_seconds)
-        self.unsent.append((self.scheduler.update_from_output(rec.sched, msg.seq_ids,
-                                                              msg.tokens), now))
+        out = self.scheduler.update_from_output(rec.sched, msg.seq_ids, msg.tokens)
+        self.unsent += self.requests.outputs(out, now)
 
     def _on_step_error(self, msg: StepError) -> None:
         rec = self.inflight.pop(msg.step, None)
@@ -325,7 +329,8 @@ class EngineCore:
 
     def _supervise(self, now: float) -> None:
         if not self.inflight:  # the loop did not poll the workers: read their heartbeats
-            self._drain_workers()
+            self._drain(self.worker_sock, "worker", self._on_worker)
+            self._send_outputs()
         for h in self.frontends.dead():
             self.requests.drop_frontend(h.index)
             self.frontends.restart(h)

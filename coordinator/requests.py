@@ -134,8 +134,10 @@ class Requests:
         if self.queued[req.client] <= 0:
             del self.queued[req.client]
 
-    def outputs(self, out: StepOutput, now: float) -> None:
-        """Each frontend's share of a step: rows of (key, index, token), then what ended."""
+    def outputs(self, out: StepOutput, now: float) -> list[tuple[int, Outputs, bytes]]:
+        """Each frontend's share of a step: rows of (key, index, token), then what ended, as
+        (frontend, message, frame) for the caller to send. Counted and closed here and now, so
+        that a cancel that comes before they are sent finds its request ended."""
         self.metrics.generation_tokens.inc(len(out.tokens))
         rows: dict[int, array] = {}
         touched: dict[int, Request] = {}
@@ -157,11 +159,13 @@ class Requests:
                 Finished(req.key, seq.index, seq.finish_reason, seq.preemptions))
             if req.finished:
                 self._close(req)
+        sends = []
         for frontend in rows.keys() | finished.keys():
             frame = rows.get(frontend, array("q"))
-            self.frontends.send(frontend, Outputs(n_rows=len(frame) // 3,
-                                                  finished=finished.get(frontend, [])),
-                                [frame.tobytes()])
+            sends.append((frontend, Outputs(n_rows=len(frame) // 3,
+                                            finished=finished.get(frontend, [])),
+                          frame.tobytes()))
+        return sends
 
     def _close(self, req: Request) -> None:
         """Every choice of `req` has ended: count it, forget it."""
