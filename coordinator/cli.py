@@ -227,7 +227,7 @@ def config_from_args(args: argparse.Namespace):
     worker = WorkerConfig(**{f.name: getattr(args, f.name) for f in fields(WorkerConfig)})
     return CoordinatorConfig(
         worker=worker, workers=args.workers, devices=args.devices.split(","),
-        prefix_cache=args.prefix_cache, max_batch_tokens=args.max_batch_tokens,
+        prefix_cache=args.prefix_cache,
         preempt_every=args.preempt_every,
         prefill_hold_ms=args.prefill_hold_ms, max_queued_per_client=args.max_queued_per_client,
         worker_wait=args.worker_wait,

@@ -22,7 +22,6 @@ class CoordinatorConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     workers: int = 1
     devices: list[str] = field(default_factory=lambda: ["cpu"])
-    max_batch_tokens: int = 512
     prefix_cache: bool = True  # full pages of computed prompts reused by content
     preempt_every: int = 0
     prefill_hold_ms: int = 0  # new prompts may wait this long while others decode (0: never)
@@ -61,7 +60,6 @@ class CoordinatorConfig:
         for d in self.devices:
             need(d == "cpu" or d.startswith("cuda"), f"unknown device {d!r}: use cpu or cuda:N")
         self.worker.validate()
-        need(self.max_batch_tokens >= 1, "--max-batch-tokens must be at least 1")
         need(self.preempt_every >= 0, "--preempt-every must be >= 0")
         need(0 <= self.prefill_hold_ms <= 10_000, "--prefill-hold-ms must be in [0, 10000]")
         need(1 <= self.frontends <= 64, "--frontends must be in [1, 64]")

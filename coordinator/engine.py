@@ -102,7 +102,7 @@ class EngineCore:
         # pages ahead for the steps a worker that is the whole pipeline enqueues early
         ahead = steps_ahead(w.overlap, config.devices[0], w.kv) if config.workers == 1 else 0
         self.scheduler = Scheduler(pool, PageAllocator(w.park_pages), w.page_size,
-                                   w.max_batch_seqs, config.max_batch_tokens,
+                                   w.max_batch_seqs, w.max_batch_tokens,
                                    config.preempt_every, config.prefill_hold_ms / 1000, cache,
                                    lookahead=ahead)
         self.requests = Requests(self.scheduler, self.frontends, self.metrics,

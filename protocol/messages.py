@@ -213,7 +213,8 @@ class WorkerConfig:
     page_size: int = wire_field(16, lo=1, hi=4096)
     kv_pages: int = wire_field(1024, lo=1, hi=1 << 31)
     park_pages: int | None = wire_field(None, lo=0, hi=1 << 31)  # park store slots (None: kv_pages)
-    max_batch_seqs: int = wire_field(64, lo=1, hi=1 << 20)  # decode graphs are captured up to it
+    max_batch_seqs: int = wire_field(64, lo=1, hi=1 << 20)
+    max_batch_tokens: int = wire_field(512, lo=1, hi=1 << 24)  # graphs are captured up to it
     transport_delay_ms: float = wire_field(0.0, lo=0.0, hi=10_000.0)  # tests: every copy delayed
 
     def __post_init__(self) -> None:
@@ -231,7 +232,8 @@ class WorkerConfig:
                                 ("--page-size", self.page_size, 1),
                                 ("--kv-pages", self.kv_pages, 1),
                                 ("--park-pages", self.park_pages, 0),
-                                ("--max-batch-seqs", self.max_batch_seqs, 1)]:
+                                ("--max-batch-seqs", self.max_batch_seqs, 1),
+                                ("--max-batch-tokens", self.max_batch_tokens, 1)]:
             if value < lo:
                 raise ValueError(f"{flag} must be at least {lo}, not {value}")
         if self.page_size > 4096:

@@ -37,6 +37,7 @@ class BatchMeta:
     used_pages: list[list[int]]  # B x [n_pages]
     row_pages: list[int]  # [T]
     row_offsets: list[int]  # [T]
+    sample_at: list[int]  # [N] the rows whose logits are sampled, in the batch's order
     ints: StepInts  # positions, write pages and offsets, sample rows, page tables
     # in place of the page tables and write pages of `ints` (a staging slot's numbering)
     tables: list[torch.Tensor] | None = None
@@ -65,6 +66,10 @@ class BatchMeta:
     @property
     def n_seqs(self) -> int:
         return len(self.context_lens)
+
+    @property
+    def n_rows(self) -> int:  # T
+        return self.query_starts[-1]
 
     def decode_padding(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded page tables [B, P] (page 0 past each end) and the key mask [B, P * page] of a
@@ -140,5 +145,6 @@ def build_meta(
         used_pages=used,
         row_pages=pages,
         row_offsets=offsets,
+        sample_at=sample_rows,
         ints=StepInts([positions, pages, offsets, sample_rows, *used], device),
     )

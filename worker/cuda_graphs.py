@@ -1,31 +1,41 @@
-"""Decode steps replayed from CUDA graphs.
+"""Steps of up to MAX_ROWS rows replayed from CUDA graphs.
 
-Eager PyTorch launches some fifty kernels a layer from Python; at decode sizes the GPU finishes
+Eager PyTorch launches some fifty kernels a layer from Python; at these sizes the GPU finishes
 each one long before the host has issued the next, so a step costs host time, not device time
-(about 12 ms for `synthetic:llama-1b` at batch 1 on an H200, against about 1 ms of kernels). A
-decode step has the same shapes every step for a given row count and context size, so it is
-captured once per (row bucket, split bucket) and replayed, attention and the new rows' writes
-included:
+(about 12 ms for `synthetic:llama-1b` on an H200, against about 1 ms of kernels). A step has the
+same shapes every time for a given row count and context size, so it is captured once per (row
+bucket, split bucket) and replayed, attention and the new rows' writes included:
 
     piece 0:      embedding (or the incoming hidden rows), RoPE tables, layer 0 up to q, k, v
     piece l + 1:  layer l's new rows into its pages (after a host pool's carried rows, the last
                   step's, which its slot was filled without), its attention, the rest of layer l,
                   layer l + 1 up to q, k, v                              (0 <= l < L)
-                  and on the last stage's last piece the head: the final norm, the logits
-                  (into one buffer all graphs share) and their argmax, the greedy tokens
+                  and on the last stage's last piece the head: the rows that sample gathered,
+                  the final norm, the logits (into one buffer all graphs share) and their
+                  argmax, the greedy tokens
 
 (captured as one graph each, or several layers' pieces to a graph: below). A step that only
 takes greedy tokens needs nothing after the replay; one that draws reads the logits
 (`Head`).
 
+A row is a decode row or one of a prompt chunk's: a sequence's rows are consecutive positions,
+each attending to the keys up to its own (its rows are written before any row attends), in
+blocks of a few positions of one sequence. So decode steps,
+prompt chunks and mixed steps alike are replayed, up to MAX_ROWS rows in all: a short prompt
+after a cached prefix costs a replay, not an eager step. Longer steps run eagerly. In exact
+mode a row's bits are the eager step's whatever the step (the kernels are batch-invariant); in
+default mode a replayed prompt row is attended by the split kernel where an eager step uses the
+flash kernel, so its bits may differ, as those of any two batch shapes may.
+
 What changes from step to step is data in one fixed buffer (`StepBuffers`), written by one
-upload before the replay: positions, the attention blocks, each layer's page base (the slot a
-staging ring gives the layer this step; 0 for device pages) and the flat page tables (a host
-pool's, renumbered into its ring and on the device already, copied when they change). Rows
-are padded up to the bucket (a power of two); a padding row writes its K and V into the pool's
-spare page, attends to nothing and is dropped. The attention grid spans the bucket's keys (a
-power of two of 256-key splits), split as the pool's attention splits an eager decode step of
-the same bucket (`PagedAttention.decode_shape`); splits past a row's keys exit at once.
+upload before the replay: positions, each row's table, the attention blocks, the rows that
+sample, each layer's page base (the slot a staging ring gives the layer this step; 0 for device
+pages) and the flat page tables (a host pool's, renumbered into its ring and on the device
+already, copied when they change). Rows are padded up to the bucket (a power of two); a padding
+row writes its K and V into the pool's spare page, attends to nothing and is dropped. The
+attention grid spans the bucket's keys (a power of two of 256-key splits), split as the pool's
+attention splits an eager decode step of the same bucket (`PagedAttention.decode_shape`); splits
+past a row's keys exit at once.
 
 With device KV the pieces are one graph: a step is one replay. With host KV the pool's hooks run
 between pieces: before layer l's piece waits for its slot to be delivered, after it records
@@ -66,21 +76,21 @@ from .model import StageModel
 
 log = logging.getLogger("siding.worker")
 
-MAX_ROWS = 256  # decode steps with more rows run eagerly
+MAX_ROWS = 256  # steps with more rows run eagerly
 PREPARED_SPLITS = 8  # graphs built at load: contexts up to 8 splits (2048 keys)
 
 
 @dataclass(frozen=True)
 class Head:
-    """What a replay of the last stage computed past its last layer, for the step's rows; valid
-    until the next replay."""
+    """What a replay of the last stage computed past its last layer, for the step's rows that
+    sample (`BatchMeta.sample_at`), in their order; valid until the next replay."""
 
-    greedy: torch.Tensor  # [n] int64: the argmax of each row's logits
+    greedy: torch.Tensor  # [n] int64: the argmax of each sampled row's logits
     logits: torch.Tensor  # [n, vocab] in the model's dtype (`StageModel.logits` before .float())
 
 
 class StepBuffers:
-    """A decode step of up to `rows` rows, in fixed buffers that the captured kernels read."""
+    """A step of up to `rows` rows, in fixed buffers that the captured kernels read."""
 
     def __init__(self, rows: int, splits: int, stage: StageModel, pool: Pool,
                  device: torch.device, capture: bool):
@@ -88,20 +98,25 @@ class StepBuffers:
         self.rows, self.pool = rows, pool
         n_layers = len(pool.layers)
         # positions [rows] | attention positions [rows], -1 past the batch | blocks [rows, 3]
-        # | page bases [layers] | the flat page tables: one buffer, so one upload a step
+        # (no more blocks than rows) | where each row's table starts [rows] | the rows that
+        # sample [rows] | page bases [layers] | the flat page tables (no more sequences than
+        # rows): one buffer, so one upload a step
         self.pages_per_row = -(-splits * ATTENTION_SPLIT // pool.page_size)
-        self.ints = torch.zeros(5 * rows + n_layers + rows * self.pages_per_row,
+        self.ints = torch.zeros(7 * rows + n_layers + rows * self.pages_per_row,
                                 dtype=torch.int64, device=device)
-        self.positions, self.attn_positions, blocks, self.bases, self.tables = self.ints.split(
-            [rows, rows, 3 * rows, n_layers, rows * self.pages_per_row])
+        (self.positions, self.attn_positions, blocks, self.row_tables, self.head_rows,
+         self.bases, self.tables) = self.ints.split(
+            [rows, rows, 3 * rows, rows, rows, n_layers, rows * self.pages_per_row])
         self.blocks = blocks.view(rows, 3)
         # captured: the Triton kernels, launched over these buffers; else the pool's eager paths
         self.kernels = pool.attention.kernels if capture else None
         self.scratch = self.split = self.block_p = None
+        self.block_rows = 1  # positions of one sequence an attention block holds
         if self.kernels is not None:
             keys = splits * ATTENTION_SPLIT
             self.split, self.block_p = pool.attention.decode_shape(rows, keys, a.n_heads,
                                                                    a.n_kv_heads)
+            self.block_rows = self.block_p or self.kernels.block_rows(a.n_heads, a.n_kv_heads)
             self.scratch = self.kernels.split_scratch(rows, a.n_heads, a.head_dim,
                                                       keys // self.split, device)
         self.meta: BatchMeta | None = None  # the step's (for eager pieces' attention)
@@ -130,15 +145,22 @@ class StepBuffers:
         go up with the rest, from the host; tables renumbered into a staging ring's buffers
         (before each layer's base) are on the device already, and the same list again means the
         same tables (never modified in place): they are copied only when it changes."""
-        n, rows = meta.n_seqs, self.rows
-        pad = rows - n
-        positions = [c - 1 for c in meta.context_lens]  # a decode row is its context's last
-        starts = [0]
+        rows, block, qs = self.rows, self.block_rows, meta.query_starts
+        pad = rows - meta.n_rows
+        starts = [0]  # where each sequence's pages start in the flat tables
         for t in meta.used_pages:
             starts.append(starts[-1] + len(t))
-        blocks = [v for b in range(n) for v in (starts[b], b, 1)]
+        positions, row_tables, blocks = [], [], []
+        for b, c in enumerate(meta.context_lens):
+            lo, hi = qs[b], qs[b + 1]
+            positions.extend(range(c - (hi - lo), c))  # a sequence's rows end its context
+            row_tables.extend(repeat(starts[b], hi - lo))
+            for r in range(lo, hi, block):
+                blocks += (starts[b], r, min(block, hi - r))
         before_tables = chain(positions, repeat(0, pad), positions, repeat(-1, pad), blocks,
-                              repeat(0, 3 * pad), self.pool.page_bases())
+                              repeat(0, 3 * rows - len(blocks)), row_tables, repeat(0, pad),
+                              meta.sample_at, repeat(0, rows - len(meta.sample_at)),
+                              self.pool.page_bases())
         if meta.tables is None:
             ints_into(chain(before_tables, chain.from_iterable(meta.used_pages)), self.ints)
             self._tables = None
@@ -169,7 +191,7 @@ class StepBuffers:
         page = self.pool.page_size
         pos = self.attn_positions.clamp(min=0)
         pages = torch.where(self.attn_positions >= 0,
-                            self.tables[self.blocks[:, 0] + pos // page], -1)
+                            self.tables[self.row_tables + pos // page], -1)
         self.write_page = self._with_bases(pages)
         self.write_offset = pos % page
         if self.carry_at is not None:
@@ -200,7 +222,7 @@ class StepBuffers:
                                 self.split, self.block_p)
             return out
         # eager pieces: the pool's own attention over the real rows, through the same bases
-        meta, n = self.meta, self.meta.n_seqs
+        meta, n = self.meta, self.meta.n_rows
         offset = pool.page_bases()[layer]
         shifted = replace(meta, tables=[t + offset for t in meta.page_tables])
         out = torch.zeros_like(q)
@@ -245,7 +267,7 @@ class StepGraph:
                 if i + 1 < n:
                     self.qkv.append(layers[i + 1].before_attention(self.x, *self.rope))
                 elif logits is not None:  # the head, as `StageModel.logits` before .float()
-                    out = stage.output(stage.norm(self.x))
+                    out = stage.output(stage.norm(self.x.index_select(0, b.head_rows)))
                     logits.copy_(out)
                     self.greedy = out.argmax(dim=-1)  # the same index as in float32
             return piece
@@ -281,7 +303,7 @@ class StepGraph:
 
 
 class DecodeGraphs:
-    """`StageModel.forward` for decode steps of up to MAX_ROWS rows over one pool, from captured
+    """`StageModel.forward` for steps of up to MAX_ROWS rows over one pool, from captured
     graphs.
 
     capture False runs the same pieces eagerly over the same buffers: what the CPU tests
@@ -321,11 +343,12 @@ class DecodeGraphs:
 
     @staticmethod
     def bucket_rows(n: int) -> int | None:
-        """The padded row count of a step of n rows, or None when it runs eagerly."""
+        """The padded row count of a step of n rows (decode rows and prompt rows together), or
+        None when it runs eagerly."""
         return 1 << (n - 1).bit_length() if 0 < n <= MAX_ROWS else None
 
     def prepare(self, max_rows: int) -> None:
-        """Build what a decode step of up to `max_rows` rows and PREPARED_SPLITS splits can use,
+        """Build what a step of up to `max_rows` rows and PREPARED_SPLITS splits can use,
         now rather than on the first step that needs it. A pool without buffers yet (a host
         pool's ring) is captured on its first step."""
         if not self._current():
@@ -342,7 +365,7 @@ class DecodeGraphs:
     def forward(self, inputs: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         """As `StageModel.forward` over the pool's layers, between its begin_step and end_step;
         meta: what begin_step returned. The caller checks `bucket_rows` first."""
-        n = meta.n_seqs
+        n = meta.n_rows
         self._current()
         size = self._piece_layers()  # a ring's slot size may change from step to step
         key = (self.bucket_rows(n), splits_bucket(max(meta.context_lens)), size)
@@ -363,7 +386,11 @@ class DecodeGraphs:
                 for i in group:
                     _, k, v = g.qkv[i]
                     layers[i].leave(*((k, v) if n == len(k) else (k[:n], v[:n])))
-        self.head = None if g.greedy is None else Head(g.greedy[:n], g.logits[:n])
+        if g.greedy is not None:
+            s = len(meta.sample_at)
+            self.head = Head(g.greedy[:s], g.logits[:s])
+        else:
+            self.head = None
         return g.x[:n].clone()  # the next replay overwrites g.x
 
     def _current(self) -> bool:

@@ -28,7 +28,8 @@ class SequenceFault(ProtocolError):
 class ModelRunner:
     def __init__(self, stage: StageModel, pool: Pool, park: ParkStore,
                  device: torch.device | str, graphs: DecodeGraphs | None = None):
-        """graphs: replays decode steps (worker/cuda_graphs.py); None runs every step eagerly."""
+        """graphs: replays steps of up to MAX_ROWS rows (worker/cuda_graphs.py); None runs every
+        step eagerly."""
         self.stage = stage
         self.graphs = graphs
         self.pool = pool
@@ -111,8 +112,7 @@ class ModelRunner:
         else:
             (inputs,) = device_ints([plan.token_ids], self.device)
         layer_meta = self.pool.begin_step(meta, [s.id for s in plan.seqs])
-        if (self.graphs is not None and meta.decode_only
-                and self.graphs.bucket_rows(meta.n_seqs) is not None):
+        if self.graphs is not None and self.graphs.bucket_rows(meta.n_rows) is not None:
             out = self.graphs.forward(inputs, layer_meta)
             self.head = self.graphs.head
         else:
@@ -130,7 +130,7 @@ class ModelRunner:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         params = [self.sampling.get(s.id, SamplingParams()) for s in sampled]
         positions = [s.start + s.n for s in sampled]
-        if head is not None and len(sampled) == len(plan.seqs):  # the replay's head: every row
+        if head is not None:  # the replay's: the sampled rows' logits, in their order
             return sample_tokens(head.logits, params, positions, head.greedy)
         return sample_tokens(self._logits(meta, hidden), params, positions)
 

@@ -1,4 +1,4 @@
-"""Decode-graph runs for the tests: a tiny synthetic model's runner on a device or host pool
+"""Step-graph runs for the tests: a tiny synthetic model's runner on a device or host pool
 (with or without graph pieces), a schedule of prompts, a mixed step and decode batches that pad
 by different amounts, and every step's hidden rows and tokens."""
 
@@ -35,9 +35,10 @@ def schedule(prompts: dict[int, int] = PROMPTS) -> list[Step]:
                 tables[i].append(next(pages))
     steps = [Step(step=0, seqs=[SeqPlan(id=i, start=0, n=prompts[i], pages_add=tables[i],
                                         sample=True) for i in (1, 2, 3)]),
-             # a mixed step: one prompt beside decode rows runs eagerly
+             # a mixed step: prompts beside a decode row, the first not sampling (as a chunk
+             # that does not end its prompt), so the rows that sample are not the first rows
              Step(step=1, seqs=[SeqPlan(id=4, start=0, n=prompts[4], pages_add=tables[4],
-                                        sample=True),
+                                        sample=False),
                                 SeqPlan(id=5, start=0, n=prompts[5], pages_add=tables[5],
                                         sample=True),
                                 SeqPlan(id=1, start=prompts[1], n=1, sample=True)])]

@@ -1,12 +1,14 @@
-"""Decode steps run in pieces over padded buffers (worker/cuda_graphs.py), here without capture on
-the CPU: in exact mode bit for bit the eager forward, for batches that pad by different amounts
-and reuse a bucket's stale rows; with host KV bit for bit the device pool; steps the pieces do
-not cover (prefill, mixed) still run eagerly."""
+"""Steps run in pieces over padded buffers (worker/cuda_graphs.py), here without capture on the
+CPU: prompts, a mixed step whose sampled rows are not its first, and decode batches that pad by
+different amounts and reuse a bucket's stale rows. In exact mode bit for bit the eager forward;
+with host KV bit for bit the device pool; a step of more rows than the largest bucket still runs
+eagerly."""
 
 import pytest
 import torch
 from helpers.decode_steps import PAGE, run, runner
 
+from protocol.messages import SeqPlan, Step
 from worker.attention import choose_attention
 from worker.cuda_graphs import MAX_ROWS, DecodeGraphs
 from worker.kv.device_pool import KVPool
@@ -56,12 +58,26 @@ def test_steps_whose_ring_takes_smaller_slots_use_pieces_of_that_size_bit_for_bi
     assert sum(ring.stats.declines.values()) == 0
 
 
-def test_only_decode_steps_that_fit_a_bucket_use_the_pieces():
+def test_prompt_mixed_and_decode_steps_that_fit_a_bucket_use_the_pieces():
     r = runner(True)
     run(r)
-    assert sorted(r.graphs.buckets) == [1, 2, 4, 8]
+    # the prompts' step (27 rows), the mixed step (10), the decode batches (5, 3, 1, 4, 2)
+    assert sorted(r.graphs.buckets) == [1, 2, 4, 8, 16, 32]
     assert [DecodeGraphs.bucket_rows(n) for n in (1, 3, 8, 9, MAX_ROWS, MAX_ROWS + 1)] == \
         [1, 4, 8, 16, MAX_ROWS, None]
+
+
+def test_a_step_of_more_rows_than_the_largest_bucket_runs_eagerly_with_the_same_bits():
+    pages = -(-(MAX_ROWS + 1) // PAGE)
+    plan = Step(step=0, token_ids=[i % 500 for i in range(MAX_ROWS + 1)], seqs=[
+        SeqPlan(id=1, start=0, n=MAX_ROWS + 1, pages_add=list(range(pages)), sample=True)])
+    out = []
+    for r in (runner(True, graphs=False, n_pages=pages), runner(True, n_pages=pages)):
+        meta = r.apply(plan)
+        hidden = r.forward(plan, meta, None)
+        out.append((hidden, r.sample(plan, meta, hidden)))
+    assert torch.equal(out[0][0], out[1][0]) and out[0][1] == out[1][1]
+    assert r.graphs.buckets == set()
 
 
 def test_capture_needs_a_cuda_device():
