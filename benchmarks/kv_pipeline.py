@@ -48,7 +48,7 @@ import torch
 from coordinator.page_allocator import pages_for
 from protocol.messages import SeqPlan, Step
 from worker.attention import choose_attention
-from worker.cuda_graphs import DecodeGraphs
+from worker.cuda_graphs import StepGraphs
 from worker.kv.device_pool import KVPool
 from worker.kv.host_pool import HostKVPool
 from worker.kv.park_store import ParkStore
@@ -225,7 +225,7 @@ def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
                graphs: bool = False, batch: int = 1) -> list[Arm]:
     """A device-KV arm, an ordered arm and one per depth, and with `--ahead` an overlapped twin
     of each, every pool holding the same KV for `batch` sequences of `context` positions; each
-    with decode graphs of its own when `graphs`."""
+    with step graphs of its own when `graphs`."""
     per_seq = pages_for(context + total_steps, a.page_size)  # a sequence's
     n_pages = batch * per_seq
     shape = (args.n_layers, n_pages, a.page_size, args.n_kv_heads, args.head_dim)
@@ -248,7 +248,7 @@ def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
     pages = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
     inputs = [(FIRST_TOKEN + b) % args.vocab_size for b in range(batch)]
     return [Arm(name, ModelRunner(stage, pool, ParkStore(pool, 1), device,
-                                  DecodeGraphs(stage, pool, device) if graphs else None),
+                                  StepGraphs(stage, pool, device) if graphs else None),
                 pool, pages, context, inputs, ahead=name.startswith("ahead "))
             for name, pool in pools.items()]
 

@@ -62,7 +62,7 @@ from coordinator.local_cluster import LocalCluster
 from protocol.messages import SeqPlan, Step
 from worker.attention import choose_attention
 from worker.build import resolve_dtype
-from worker.cuda_graphs import DecodeGraphs
+from worker.cuda_graphs import StepGraphs
 from worker.kv.device_pool import KVPool
 from worker.kv.park_store import ParkStore
 from worker.loaders import DEFAULT_MODEL, resolve
@@ -207,7 +207,7 @@ def inprocess_decode(stage: StageModel, batch: int, context: int, steps: int, dt
     graphs = None
     if cuda_graphs and device.type == "cuda":
         try:
-            graphs = DecodeGraphs(stage, pool, device)
+            graphs = StepGraphs(stage, pool, device)
         except ValueError as e:
             progress(SCENARIO, f"in-process decode runs eagerly: {e}")
         else:

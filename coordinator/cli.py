@@ -167,7 +167,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
       help="batch-invariant kernels: a sequence's tokens are byte-identical however it is "
       "batched, preempted or split")
     a("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-      help="run CUDA decode steps eagerly instead of replaying captured graphs")
+      help="run CUDA steps eagerly instead of replaying captured graphs")
     a("--overlap", default="auto", choices=OVERLAP,
       help="enqueue each decode step on the last one's tokens before they are read (auto: on "
       "for CUDA devices, where it pays; off on a CPU)")

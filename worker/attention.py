@@ -4,7 +4,7 @@ Pages are gathered by the sequence's page table, so the result depends only on t
 its positions, never on which physical pages hold them.
 
 A worker's paged attention is chosen once at load (`choose_attention`) and handed to its KV
-pool, whose layers and decode graphs attend through it. On CUDA, where Triton is installed and
+pool, whose layers and step graphs attend through it. On CUDA, where Triton is installed and
 the head size is a power of two, Triton kernels read the pages in place: exact mode's
 batch-invariant kernel (worker/kernels/paged_triton.py), default mode's flash attention for
 prompts and split keys for decode steps (worker/kernels/flash_triton.py). A gather and
@@ -41,9 +41,9 @@ class PagedAttention:
 
     attend: AttendFn  # what an eager step attends with
     # The Triton kernels (worker/kernels/paged_triton.py) where the device runs them: what a
-    # captured decode step launches for its attention and its row writes; None: no capture.
+    # captured step launches for its attention and its row writes; None: no capture.
     kernels: ModuleType | None
-    # How a captured decode step of a (row bucket, keys bucket) splits its attention: what the
+    # How a captured step of a (row bucket, keys bucket) splits its attention: what the
     # eager attention does for a decode step of that bucket, so both give the same bits
     decode_shape: DecodeShape | None = None
 

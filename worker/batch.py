@@ -14,7 +14,7 @@ from .uploads import upload
 
 class StepInts:
     """A step's per-row ints and page tables, moved to the device in one copy on first use: a
-    captured decode step reads its own buffers instead (worker/cuda_graphs.py) and never needs
+    captured step reads its own buffers instead (worker/cuda_graphs.py) and never needs
     them."""
 
     def __init__(self, groups: list[list[int]], device: torch.device | str):

@@ -1,5 +1,5 @@
 """The worker's composition root: from a `WorkerConfig` and its place in the pipeline, the model
-stage, the KV pool, the park store, the decode graphs and the runner over them. Nothing else in
+stage, the KV pool, the park store, the step graphs and the runner over them. Nothing else in
 the worker reads the config; nothing here touches a socket."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from protocol.messages import ModelInfo, WorkerConfig, steps_ahead
 
 from .attention import choose_attention
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import StepGraphs
 from .exact import apply_exact
 from .kv.device_pool import KVPool
 from .kv.host_pool import HostKVPool
@@ -82,7 +82,7 @@ def build(config: WorkerConfig, rank: int, n_workers: int, device: str,
     graphs = None
     if c.cuda_graphs and torch.device(device).type == "cuda":
         try:
-            graphs = DecodeGraphs(stage, pool, device)
+            graphs = StepGraphs(stage, pool, device)
         except ValueError as e:
             log.warning("decode steps run eagerly: %s", e)
         else:

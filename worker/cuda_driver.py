@@ -7,7 +7,7 @@ stream switch, an event record and a graph replay each take their own locks and 
 H200 a llama-1b step at 2-3k keys is 1.8-1.9 ms of device time, and those calls alone were
 about 0.7 ms of the host's 2 ms (docs/kv-pipelining.md).
 
-So `CudaTransport`, the uploads and the decode graphs make them through CuPy's bindings of the
+So `CudaTransport`, the uploads and the step graphs make them through CuPy's bindings of the
 CUDA runtime (`cupy_backends.cuda.api.runtime`, Cython: plain ints in, an exception on error),
 on PyTorch's own streams, events and graphs: the handles are the driver's, shared by both, and
 the runtime works in the device's primary context, which PyTorch made current. Measured side by

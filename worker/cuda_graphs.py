@@ -230,7 +230,7 @@ class StepBuffers:
         return out
 
 
-class StepGraph:
+class BucketGraph:
     """The buffers and pieces of one (row bucket, split bucket)."""
 
     def __init__(self, stage: StageModel, pool: Pool, rows: int, splits: int,
@@ -302,7 +302,7 @@ class StepGraph:
         self.captured, self.pieces, self.fns, self.keep = [], [], [], []
 
 
-class DecodeGraphs:
+class StepGraphs:
     """`StageModel.forward` for steps of up to MAX_ROWS rows over one pool, from captured
     graphs.
 
@@ -326,7 +326,7 @@ class DecodeGraphs:
         # the captured graphs' memory
         self.memory_pool = torch.cuda.graph_pool_handle() if capture else None
         # (rows, splits, layers a piece holds: 0 for one graph a step) -> graph
-        self.graphs: dict[tuple[int, int, int], StepGraph] = {}
+        self.graphs: dict[tuple[int, int, int], BucketGraph] = {}
         # On the last stage the graphs end with the head: each replay's logits land here (one
         # buffer for every graph, outside their memory pool), its greedy tokens in the graph's
         self.logits = None
@@ -409,32 +409,32 @@ class DecodeGraphs:
         """Layers a piece holds this step; 0: the step is one graph (a pool without hooks)."""
         return self.kv_pool.piece_layers
 
-    def _build(self, rows: int, splits: int, size: int) -> StepGraph:
-        g = StepGraph(self.stage, self.kv_pool, rows, splits, self.device, self.dtype,
+    def _build(self, rows: int, splits: int, size: int) -> BucketGraph:
+        g = BucketGraph(self.stage, self.kv_pool, rows, splits, self.device, self.dtype,
                       self.capture, None if self.logits is None else self.logits[:rows])
         if not self.capture:
             g.pieces = g.pieces_of(size) if size else g.fns
         else:
             t0 = time.perf_counter()
             g.pieces = self._capture(g, size)
-            log.info("captured decode graphs for %d rows, %d splits (%d pieces) in %.2fs", rows,
+            log.info("captured step graphs for %d rows, %d splits (%d pieces) in %.2fs", rows,
                      splits, len(g.pieces), time.perf_counter() - t0)
         self.graphs[rows, splits, size] = g
         return g
 
-    def _capture(self, g: StepGraph, size: int) -> list[Callable[[], None]]:
+    def _capture(self, g: BucketGraph, size: int) -> list[Callable[[], None]]:
         # Warm-up on a side stream, as torch.cuda.graphs asks: cuBLAS workspaces, Triton
         # compilation and the allocator's first blocks all happen outside the capture. The
         # buffers hold a step without rows, which writes only the spare page.
         g.buffers.clear()
-        gc.collect()  # and no collection during the capture: see StepGraph.release
+        gc.collect()  # and no collection during the capture: see BucketGraph.release
         gc.disable()
         try:
             return self._capture_pieces(g, size)
         finally:
             gc.enable()
 
-    def _capture_pieces(self, g: StepGraph, size: int) -> list[Callable[[], None]]:
+    def _capture_pieces(self, g: BucketGraph, size: int) -> list[Callable[[], None]]:
         stream = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(stream)

@@ -10,7 +10,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import SeqPlan, Step
 
 from .batch import BatchMeta, build_meta, device_ints
-from .cuda_graphs import DecodeGraphs, Head
+from .cuda_graphs import StepGraphs, Head
 from .kv.park_store import ParkStore
 from .kv.pool import Pool
 from .model import StageModel
@@ -27,7 +27,7 @@ class SequenceFault(ProtocolError):
 
 class ModelRunner:
     def __init__(self, stage: StageModel, pool: Pool, park: ParkStore,
-                 device: torch.device | str, graphs: DecodeGraphs | None = None):
+                 device: torch.device | str, graphs: StepGraphs | None = None):
         """graphs: replays steps of up to MAX_ROWS rows (worker/cuda_graphs.py); None runs every
         step eagerly."""
         self.stage = stage

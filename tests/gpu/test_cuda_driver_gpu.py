@@ -1,4 +1,4 @@
-"""The CUDA calls the staging ring and the decode graphs make (through CuPy): copies both ways
+"""The CUDA calls the staging ring and the step graphs make (through CuPy): copies both ways
 land the bytes, events order one stream after another and time it, a failed call raises with
 the runtime's name for the error, and a transport refuses a copy it cannot make in one piece.
 Skipped without a GPU."""

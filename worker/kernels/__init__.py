@@ -3,7 +3,7 @@ batch-invariant kernels) and for CUDA in Triton, each module imported on first u
 install never needs Triton):
 
 - `paged_triton`: exact mode's batch-invariant matmul and paged attention (`worker/exact.py`, the
-  one place that switches exact mode on), and the row writes every mode's decode graphs make;
+  one place that switches exact mode on), and the row writes every mode's step graphs make;
 - `flash_triton`: default mode's paged attention (flash attention for prompts, split keys for
   decode steps, through `paged_triton`'s split kernels);
 - `rowwise_triton`: RMSNorm, RoPE, SiLU-and-multiply and the residual add, one launch each, in
@@ -16,7 +16,7 @@ import functools
 import importlib
 from types import ModuleType
 
-# Key positions per split of the CUDA paged attention (`paged_triton.SPLIT`); the decode graphs
+# Key positions per split of the CUDA paged attention (`paged_triton.SPLIT`); the step graphs
 # size their buffers by it without importing Triton.
 ATTENTION_SPLIT = 256
 

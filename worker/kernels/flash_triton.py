@@ -12,7 +12,7 @@ both read the pages in place, through the sequence's page table, with grouped KV
   to PyTorch's fused SDPA instead (`whole_prompt`), which is faster there than this kernel.
 - A decode-only step: `paged_triton`'s split kernels, with splits small enough to fill the GPU
   (`decode_split`), since a batch of a few rows has only a few (row, KV head) programs otherwise.
-  A captured decode step (worker/cuda_graphs.py) uses the same split for the same bucket, so it
+  A captured step (worker/cuda_graphs.py) uses the same split for the same bucket, so it
   gets the eager step's bits.
 """
 

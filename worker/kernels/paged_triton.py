@@ -16,7 +16,7 @@ per-row elementwise kernels every mode shares (RMSNorm, RoPE, ...) are `rowwise_
   exactly unchanged, so neither the query count, the context of the launch, nor the physical
   pages change a bit: a decode row is a block of one position and gets the bits it gets inside
   a prompt chunk.
-- `write_rows`: a decode graph's new K and V rows into their pages, and a host pool's carried
+- `write_rows`: a step graph's new K and V rows into their pages, and a host pool's carried
   rows with them, in one launch (a copy: no arithmetic, so no bit to keep).
 
 Imported on CUDA only, on first use (`worker.kernels.triton_kernels`), so CPU installs never
@@ -266,7 +266,7 @@ def paged_attention(q, k_pool, v_pool, meta, scale: float, split: int = SPLIT,
 def launch(q, k_pool, v_pool, tables, base, blocks, positions, scratch, out, scale: float,
            split: int = SPLIT, block_p: int | None = None) -> None:
     """The two launches of a paged attention over explicit buffers, each sized by the caller:
-    what a captured decode graph replays (worker/cuda_graphs.py). q, out: [T, H, D]; tables:
+    what a captured step graph replays (worker/cuda_graphs.py). q, out: [T, H, D]; tables:
     flat page ids, each offset by base [1]; blocks: [n, 3] as `step_blocks`; positions: [T]
     (-1: a padding row); scratch: `split_scratch(T, H, D, splits)`, splits of `split` keys
     covering every key; block_p as `paged_attention`'s."""

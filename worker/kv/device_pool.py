@@ -2,7 +2,7 @@
 
 Layout [n_layers, n_pages, page_size, KVH, D] keeps each layer's pages one contiguous run, so a
 layer's window can be moved in few large copies. The buffers hold one page more, no sequence's:
-a captured decode step (worker/cuda_graphs.py) writes its padding rows there.
+a captured step (worker/cuda_graphs.py) writes its padding rows there.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class KVPool:
     def end_step(self) -> None:
         pass
 
-    # What a captured decode step needs: a step is one graph, and writes no rows but its own.
+    # What a captured step needs: a step is one graph, and writes no rows but its own.
     piece_layers = 0
     carries = False
     carried = None

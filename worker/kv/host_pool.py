@@ -2,7 +2,7 @@
 attended through the staging ring.
 
 `HostKVPool` is a `Pool` (worker/kv/pool.py) as `KVPool` is, so the runner, the park store
-and the decode graphs work on it unchanged. Its layout, [n_layers, n_pages, 2, page,
+and the step graphs work on it unchanged. Its layout, [n_layers, n_pages, 2, page,
 KVH, D], keeps one layer's K and V of a run of pages in one block: a run is one copy.
 
 A step:
@@ -131,7 +131,7 @@ class HostKVPool:
     def bytes_per_page(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 
-    # What a captured decode step needs: the ring buffer by address, each layer's slot as a page
+    # What a captured step needs: the ring buffer by address, each layer's slot as a page
     # base, the ring's events between pieces, and the carried rows.
     carries = True
 

@@ -1,7 +1,7 @@
-"""What a KV pool is to the runner, the park store and the decode graphs: `KVPool` (device pages,
+"""What a KV pool is to the runner, the park store and the step graphs: `KVPool` (device pages,
 device_pool.py) and `HostKVPool` (host pages through a staging ring, host_pool.py) both are one.
 
-A step is `begin_step`, each layer's `attend` (eager) or the decode graphs' pieces over the
+A step is `begin_step`, each layer's `attend` (eager) or the step graphs' pieces over the
 layers' `buffers`, between each layer's `enter` and `leave`, then `end_step`.
 """
 
@@ -17,7 +17,7 @@ from ..batch import BatchMeta
 
 
 class PoolLayer(Protocol):
-    """One layer of a pool: the `LayerKV` its Attention module sees, and what a decode graph
+    """One layer of a pool: the `LayerKV` its Attention module sees, and what a step graph
     needs of it."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta
@@ -41,7 +41,7 @@ class Pool(Protocol):
     n_pages: int
     page_size: int
     scale: float  # the softmax scale
-    attention: PagedAttention  # chosen once at load, for every layer and decode graph
+    attention: PagedAttention  # chosen once at load, for every layer and step graph
     layers: Sequence[PoolLayer]
     carries: bool  # whether a step may carry the last step's rows (`carried`)
     # this step's carried rows [L, 2, T, KVH, D], with their pages (before the base) and
@@ -55,7 +55,7 @@ class Pool(Protocol):
 
     @property
     def piece_layers(self) -> int:
-        """Layers a decode graph's piece holds this step, the layers' enter/leave run around it
+        """Layers a step graph's piece holds this step, the layers' enter/leave run around it
         for each (a ring slot's layers); 0: enter and leave do nothing, a step is one graph."""
 
     def settle(self) -> None:

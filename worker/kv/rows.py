@@ -1,4 +1,4 @@
-"""A step's new K and V rows into pages: the one place every pool and decode graph writes them."""
+"""A step's new K and V rows into pages: the one place every pool and step graph writes them."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def write_rows(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v:
 
     carried: rows [2, T', KVH, D] with their pages and offsets [T'], written first: the last
     step's rows, which pages filled from a host pool's pages lack. kernels: the Triton kernels
-    (`PagedAttention.kernels`), to write both in one launch, as a captured decode step does;
+    (`PagedAttention.kernels`), to write both in one launch, as a captured step does;
     None: index_put, as every eager step does."""
     k, v = k.to(k_pages.dtype), v.to(v_pages.dtype)
     if kernels is not None:

@@ -6,7 +6,7 @@ import torch
 
 from protocol.messages import SeqPlan, Step
 from worker.attention import choose_attention
-from worker.cuda_graphs import DecodeGraphs
+from worker.cuda_graphs import StepGraphs
 from worker.exact import apply_exact
 from worker.kv.device_pool import KVPool
 from worker.kv.host_pool import HostKVPool
@@ -89,5 +89,5 @@ def runner(exact: bool, kv: str = "device", graphs: bool = True, device: str = "
                           slot_layers=slot_layers)
     else:
         pool = KVPool(*shape, dtype, device, attention)
-    pieces = DecodeGraphs(stage, pool, device, capture=device != "cpu") if graphs else None
+    pieces = StepGraphs(stage, pool, device, capture=device != "cpu") if graphs else None
     return ModelRunner(stage, pool, ParkStore(pool, 4), device, pieces)

@@ -9,7 +9,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from helpers.decode_steps import pages_needed, run, runner  # noqa: E402
+from helpers.graph_steps import pages_needed, run, runner  # noqa: E402
 
 from benchmarks.kv_pipeline import build_arms, parse_args  # noqa: E402
 from worker.loaders import resolve  # noqa: E402

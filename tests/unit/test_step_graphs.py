@@ -6,11 +6,11 @@ eagerly."""
 
 import pytest
 import torch
-from helpers.decode_steps import PAGE, run, runner
+from helpers.graph_steps import PAGE, run, runner
 
 from protocol.messages import SeqPlan, Step
 from worker.attention import choose_attention
-from worker.cuda_graphs import MAX_ROWS, DecodeGraphs
+from worker.cuda_graphs import MAX_ROWS, StepGraphs
 from worker.kv.device_pool import KVPool
 from worker.loaders.synthetic import SyntheticSource
 
@@ -63,7 +63,7 @@ def test_prompt_mixed_and_decode_steps_that_fit_a_bucket_use_the_pieces():
     run(r)
     # the prompts' step (27 rows), the mixed step (10), the decode batches (5, 3, 1, 4, 2)
     assert sorted(r.graphs.buckets) == [1, 2, 4, 8, 16, 32]
-    assert [DecodeGraphs.bucket_rows(n) for n in (1, 3, 8, 9, MAX_ROWS, MAX_ROWS + 1)] == \
+    assert [StepGraphs.bucket_rows(n) for n in (1, 3, 8, 9, MAX_ROWS, MAX_ROWS + 1)] == \
         [1, 4, 8, 16, MAX_ROWS, None]
 
 
@@ -87,7 +87,7 @@ def test_capture_needs_a_cuda_device():
     pool = KVPool(a.n_layers, 8, PAGE, a.n_kv_heads, a.head_dim, torch.float32, "cpu",
                   choose_attention(False, "cpu", a.head_dim))
     with pytest.raises(ValueError, match="cuda device"):
-        DecodeGraphs(stage, pool, "cpu")
+        StepGraphs(stage, pool, "cpu")
 
 
 def test_prepare_builds_every_bucket_a_batch_limit_can_use():
