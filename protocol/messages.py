@@ -208,7 +208,7 @@ class WorkerConfig:
     pipeline_depth: int = wire_field(1, lo=0, hi=64)  # staging ring slots delivered ahead
     ring_budget_mib: int = wire_field(512, lo=0, hi=1 << 31)  # the ring's device memory (0: no cap)
     exact: bool = wire_field(False)
-    cuda_graphs: bool = wire_field(True)  # CUDA steps of up to 256 rows replayed from graphs
+    cuda_graphs: bool = wire_field(True)  # CUDA steps replayed from graphs (worker/cuda_graphs.py)
     overlap: str = wire_field("auto", max_len=8)  # steps enqueued ahead (auto: on for CUDA)
     page_size: int = wire_field(16, lo=1, hi=4096)
     kv_pages: int = wire_field(1024, lo=1, hi=1 << 31)

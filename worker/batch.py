@@ -35,6 +35,7 @@ class BatchMeta:
     # What the tensors below are built from, as ints in the pool's page ids (a meta renumbered
     # into a staging slot keeps these: its host pool reads them)
     used_pages: list[list[int]]  # B x [n_pages]
+    row_positions: list[int]  # [T]
     row_pages: list[int]  # [T]
     row_offsets: list[int]  # [T]
     sample_at: list[int]  # [N] the rows whose logits are sampled, in the batch's order
@@ -143,6 +144,7 @@ def build_meta(
         context_lens=context_lens,
         decode_only=all(n == 1 for n in counts),
         used_pages=used,
+        row_positions=positions,
         row_pages=pages,
         row_offsets=offsets,
         sample_at=sample_rows,

@@ -84,7 +84,7 @@ def build(config: WorkerConfig, rank: int, n_workers: int, device: str,
         try:
             graphs = StepGraphs(stage, pool, device)
         except ValueError as e:
-            log.warning("decode steps run eagerly: %s", e)
+            log.warning("steps run eagerly: %s", e)
         else:
             graphs.prepare(c.max_batch_tokens)  # no request pays for a capture
     runner = ModelRunner(stage, pool, park, device, graphs)

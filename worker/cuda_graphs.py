@@ -20,12 +20,12 @@ takes greedy tokens needs nothing after the replay; one that draws reads the log
 
 A row is a decode row or one of a prompt chunk's: a sequence's rows are consecutive positions,
 each attending to the keys up to its own (its rows are written before any row attends), in
-blocks of a few positions of one sequence. So decode steps,
-prompt chunks and mixed steps alike are replayed, up to MAX_ROWS rows in all: a short prompt
-after a cached prefix costs a replay, not an eager step. Longer steps run eagerly. In exact
-mode a row's bits are the eager step's whatever the step (the kernels are batch-invariant); in
-default mode a replayed prompt row is attended by the split kernel where an eager step uses the
-flash kernel, so its bits may differ, as those of any two batch shapes may.
+blocks of a few positions of one sequence. So decode steps, prompt chunks and mixed steps alike
+are replayed, up to MAX_ROWS rows in all: a short prompt after a cached prefix costs a replay,
+not an eager step. Longer steps run eagerly. In exact mode a row's bits are the eager step's
+whatever the step (the kernels are batch-invariant); in default mode a replayed prompt row is
+attended by the split kernel where an eager step uses the flash kernel, so its bits may differ,
+as those of any two batch shapes may.
 
 What changes from step to step is data in one fixed buffer (`StepBuffers`), written by one
 upload before the replay: positions, each row's table, the attention blocks, the rows that
@@ -150,10 +150,9 @@ class StepBuffers:
         starts = [0]  # where each sequence's pages start in the flat tables
         for t in meta.used_pages:
             starts.append(starts[-1] + len(t))
-        positions, row_tables, blocks = [], [], []
-        for b, c in enumerate(meta.context_lens):
+        positions, row_tables, blocks = meta.row_positions, [], []
+        for b in range(meta.n_seqs):
             lo, hi = qs[b], qs[b + 1]
-            positions.extend(range(c - (hi - lo), c))  # a sequence's rows end its context
             row_tables.extend(repeat(starts[b], hi - lo))
             for r in range(lo, hi, block):
                 blocks += (starts[b], r, min(block, hi - r))
@@ -411,7 +410,7 @@ class StepGraphs:
 
     def _build(self, rows: int, splits: int, size: int) -> BucketGraph:
         g = BucketGraph(self.stage, self.kv_pool, rows, splits, self.device, self.dtype,
-                      self.capture, None if self.logits is None else self.logits[:rows])
+                        self.capture, None if self.logits is None else self.logits[:rows])
         if not self.capture:
             g.pieces = g.pieces_of(size) if size else g.fns
         else:

@@ -10,7 +10,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import SeqPlan, Step
 
 from .batch import BatchMeta, build_meta, device_ints
-from .cuda_graphs import StepGraphs, Head
+from .cuda_graphs import Head, StepGraphs
 from .kv.park_store import ParkStore
 from .kv.pool import Pool
 from .model import StageModel
