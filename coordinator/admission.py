@@ -27,7 +27,7 @@ def prompt_ids(msg: Generate, codec: TextCodec) -> list[int]:
 def check_fits(prompt: list[int], msg: Generate, model: ModelInfo, kv_pages: int,
                page_size: int) -> None:
     """`too_long` for a request that can never run, whatever else is running."""
-    if any(t >= model.vocab_size for t in prompt):
+    if max(prompt, default=0) >= model.vocab_size:
         raise RequestError(ErrorCode.INVALID_REQUEST,
                            f"token ids must be below the vocabulary size {model.vocab_size}")
     ctx = model.max_context

@@ -85,47 +85,48 @@ class CoordinatorMetrics:
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
 
-    def value(self, name: str, **labels: str) -> float:
-        """A sample as a scrape shows it (`siding_restores_total`, `..._count`), 0 if absent."""
-        return self.registry.get_sample_value(name, labels) or 0.0
-
-    def by_label(self, name: str, label: str) -> dict[str, float]:
-        """A labelled counter's totals, e.g. by_label("siding_requests", "finish_reason")."""
-        return {s.labels[label]: s.value for family in self.registry.collect()
-                if family.name == name for s in family.samples if s.name == name + "_total"}
-
-    def mean(self, name: str) -> float | None:
-        """A histogram's mean, None before its first observation."""
-        count = self.value(name + "_count")
-        return self.value(name + "_sum") / count if count else None
-
     def figures(self) -> dict:
-        """The numbers the metrics export, read back from them, for `siding status`."""
+        """The numbers the metrics export, read back from them, for `siding status`: from one
+        collection of the registry (each lookup of a sample by name collects all of it again,
+        and twenty of them held the loop for 10 ms)."""
+        samples: dict[str, float] = {}
+        by_label: dict[str, dict[str, int]] = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if not sample.labels:
+                    samples[sample.name] = sample.value
+                elif sample.name.endswith("_total") and len(sample.labels) == 1:
+                    (label,) = sample.labels.values()
+                    by_label.setdefault(sample.name, {})[label] = int(sample.value)
+
+        def value(name: str) -> int:
+            return int(samples.get(name, 0))
+
+        def mean(name: str) -> float | None:  # a histogram's, None before its first observation
+            count = samples.get(name + "_count")
+            return samples[name + "_sum"] / count if count else None
+
         return {
-            "tokens": {"prompt": int(self.value("siding_prompt_tokens_total")),
-                       "generated": int(self.value("siding_generation_tokens_total"))},
-            "finished": {k: int(v) for k, v in
-                         self.by_label("siding_requests", "finish_reason").items()},
-            "errors": {k: int(v) for k, v in
-                       self.by_label("siding_request_errors", "code").items()},
-            "preemptions": {k: int(v) for k, v in
-                            self.by_label("siding_preemptions", "action").items()},
-            "restores": int(self.value("siding_restores_total")),
-            "dropped": {k: int(v) for k, v in
-                        self.by_label("siding_dropped_messages", "socket").items()},
-            "park_pages_used": int(self.value("siding_park_pages_used")),
+            "tokens": {"prompt": value("siding_prompt_tokens_total"),
+                       "generated": value("siding_generation_tokens_total")},
+            "finished": by_label.get("siding_requests_total", {}),
+            "errors": by_label.get("siding_request_errors_total", {}),
+            "preemptions": by_label.get("siding_preemptions_total", {}),
+            "restores": value("siding_restores_total"),
+            "dropped": by_label.get("siding_dropped_messages_total", {}),
+            "park_pages_used": value("siding_park_pages_used"),
             "prefix_cache": {
-                "queried_tokens": int(self.value("siding_prefix_cache_queries_total")),
-                "hit_tokens": int(self.value("siding_prefix_cache_hits_total")),
-                "cached_pages": int(self.value("siding_prefix_cache_pages")),
-                "evictions": int(self.value("siding_prefix_cache_evictions_total")),
+                "queried_tokens": value("siding_prefix_cache_queries_total"),
+                "hit_tokens": value("siding_prefix_cache_hits_total"),
+                "cached_pages": value("siding_prefix_cache_pages"),
+                "evictions": value("siding_prefix_cache_evictions_total"),
             },
             "latency_mean_seconds": {
-                "queue": self.mean("siding_request_queue_seconds"),
-                "ttft": self.mean("siding_time_to_first_token_seconds"),
-                "itl": self.mean("siding_inter_token_latency_seconds"),
-                "e2e": self.mean("siding_e2e_request_latency_seconds"),
-                "step": self.mean("siding_step_seconds"),
+                "queue": mean("siding_request_queue_seconds"),
+                "ttft": mean("siding_time_to_first_token_seconds"),
+                "itl": mean("siding_inter_token_latency_seconds"),
+                "e2e": mean("siding_e2e_request_latency_seconds"),
+                "step": mean("siding_step_seconds"),
             },
         }
 

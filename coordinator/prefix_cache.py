@@ -20,13 +20,20 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Iterator
 
 from .page_allocator import PageAllocator
 from .sequence import Sequence
 
 
-def chain_key(parent: bytes, tokens: list[int]) -> bytes:
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+def page_keys(parent: bytes, tokens: list[int], page_size: int) -> Iterator[bytes]:
+    """The key of each full page of `tokens` in turn: a hash of the one before's (the first:
+    `parent`) and the page's ids, packed once for all the pages rather than a page at a time."""
+    ids = array("q", tokens[:len(tokens) - len(tokens) % page_size])
+    packed, size = ids.tobytes(), page_size * ids.itemsize
+    for i in range(0, len(packed), size):
+        parent = hashlib.blake2b(parent + packed[i:i + size], digest_size=16).digest()
+        yield parent
 
 
 class PrefixCache:
@@ -54,15 +61,12 @@ class PrefixCache:
         self.queried += len(seq.token_ids)
         keys: list[bytes] = []
         pages: list[int] = []
-        parent = self.root
-        for i in range(limit // p):
-            key = chain_key(parent, seq.token_ids[i * p:(i + 1) * p])
+        for key in page_keys(self.root, seq.token_ids[:limit // p * p], p):
             page = self.by_key.get(key)
             if page is None:
                 break
             keys.append(key)
             pages.append(page)
-            parent = key
         if not pages:
             return
         self.allocator.share(pages)
@@ -90,8 +94,9 @@ class PrefixCache:
         """Key the sequence's pages that its computed positions have filled since last time."""
         p = self.page_size
         keys = seq.page_keys
-        for i in range(len(keys), seq.n_computed // p):
-            key = chain_key(keys[-1] if keys else self.root, seq.token_ids[i * p:(i + 1) * p])
+        first = len(keys)
+        new = seq.token_ids[first * p:seq.n_computed // p * p]
+        for i, key in enumerate(page_keys(keys[-1] if keys else self.root, new, p), first):
             keys.append(key)
             self._keep(key, seq.pages[i])
 

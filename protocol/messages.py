@@ -97,9 +97,7 @@ class Generate:
                 total := sum(len(m.content) for m in self.messages)) > MAX_TEXT:
             raise ProtocolError(f"field 'messages' holds {total} characters of content; the "
                                 f"limit is {MAX_TEXT} in all")
-        if any(t < 0 for t in self.stop_token_ids) or any(
-            t < 0 for t in self.prompt_token_ids or ()
-        ):
+        if min(self.stop_token_ids, default=0) < 0 or min(self.prompt_token_ids or (0,)) < 0:
             raise ProtocolError("token ids must not be negative")
 
 

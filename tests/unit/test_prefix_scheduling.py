@@ -5,7 +5,7 @@ used first, reclaimed before anyone is preempted, forgotten when the workers los
 from __future__ import annotations
 
 from coordinator.page_allocator import PageAllocator
-from coordinator.prefix_cache import PrefixCache, chain_key
+from coordinator.prefix_cache import PrefixCache, page_keys
 from coordinator.scheduler import Schedule, Scheduler
 from coordinator.sequence import Request
 from protocol.messages import Submit
@@ -144,9 +144,11 @@ def test_keys_chain_the_whole_prefix_and_the_salt():
     root = PrefixCache(PageAllocator(1), PAGE, "m|bfloat16|exact=True").root
     other = PrefixCache(PageAllocator(1), PAGE, "m|float32|exact=True").root
     page = [1, 2, 3, 4]
-    assert chain_key(root, page) != chain_key(other, page)  # another dtype: other bits
-    assert chain_key(chain_key(root, [9, 9, 9, 9]), page) != chain_key(chain_key(root, [8] * 4),
-                                                                       page)
+    assert list(page_keys(root, page, PAGE)) != list(page_keys(other, page, PAGE))  # other bits
+    after_nines = list(page_keys(root, [9] * 4 + page, PAGE))[1]
+    after_eights = list(page_keys(root, [8] * 4 + page, PAGE))[1]
+    assert after_nines != after_eights  # the same page after another parent
+    assert list(page_keys(root, page + [5, 6], PAGE)) == list(page_keys(root, page, PAGE))
 
 
 def test_a_cache_off_scheduler_computes_every_prompt_in_full():
