@@ -102,9 +102,11 @@ CLIENT_BUSY = 0.7  # cores a client process may keep busy before it may be what 
 OTHERS_BUSY = 0.2  # cores the rest of the machine may keep busy before a point is called skewed
 
 
-def run_point(spec: dict[str, Any], procs: int, core: int) -> dict[str, Any]:
-    """One concurrency or rate: `procs` client processes, the CPU of every cluster process and
-    of theirs around the window, and the window's records."""
+def run_point(spec: dict[str, Any], procs: int, core: int, root: str | None = None
+              ) -> dict[str, Any]:
+    """One concurrency or rate: `procs` client processes (from the checkout `root`, as its
+    cluster: a client speaks its own tree's protocol), the CPU of every cluster process and of
+    theirs around the window, and the window's records."""
     shares = []
     for k in range(procs):
         share = dict(spec)
@@ -113,8 +115,12 @@ def run_point(spec: dict[str, Any], procs: int, core: int) -> dict[str, Any]:
         else:
             share["arrivals"] = spec["arrivals"][k::procs]
         shares.append(share)
-    clients = [subprocess.Popen([sys.executable, "-m", "benchmarks.serve_load"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    env = None
+    if root is not None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    clients = [subprocess.Popen([sys.executable, "-m", "benchmarks.serve_load"], cwd=root,
+                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                for _ in shares]
     try:
         for proc, share in zip(clients, shares):
@@ -383,7 +389,7 @@ def main(argv: list[str]) -> None:
                      + (f"{a.duration:g} s" if spec["duration"] else f"{a.requests_per_client} "
                         "requests per client") + f", {procs} client process(es)")
             point = {"arm": label, "api": api, xname: x, "client_procs": procs,
-                     **run_point(spec, procs, cluster.proc.pid)}
+                     **run_point(spec, procs, cluster.proc.pid, arms[arm])}
             points.append(point)
             progress(SCENARIO, f"{label}, {xname} {x:g}: {point['output_tps']:.1f} tok/s, "
                      f"{point['requests_per_s']:.2f} req/s, {point['errors']} errors")
