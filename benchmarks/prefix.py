@@ -8,6 +8,11 @@ against a cluster with the cache and one with `--no-prefix-cache`, the two start
 - **chat**: a conversation of `--turns` turns, each request the whole conversation so far (the
   last reply included) and a new user message, one after another (each turn's TTFT).
 
+A request timed alone is sent `IDLE_PAUSE_S` after the last one ended: a worker runs decode
+steps ahead on guessed tokens (docs/overlap-scheduling.md), so when a stream ends one or two of
+its guessed steps may still be on the device, and a request sent at once would wait for them
+(on llama-8b on an H200, 5-6 ms a step).
+
 Prompts are random token ids of a fixed seed, so both clusters see the same requests.
 """
 
@@ -38,6 +43,7 @@ from .report import (
 SCENARIO = "prefix"
 QUESTION_TOKENS = 24
 TURN_TOKENS = 32  # a user message of the chat
+IDLE_PAUSE_S = 0.2  # before a request timed alone: longer than a step
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -65,7 +71,9 @@ def ids(rng: random.Random, n: int) -> list[int]:
 
 async def first_token(c: AsyncClient, prompt: list[int], tokens: int
                       ) -> tuple[float, list[int]]:
-    """(seconds to the first token, every token) of one streamed request."""
+    """(seconds to the first token, every token) of one streamed request, sent once the engine
+    is idle."""
+    await asyncio.sleep(IDLE_PAUSE_S)
     t0 = time.perf_counter()
     ttft, out = None, []
     async for chunk in c.stream(prompt_token_ids=prompt, max_tokens=tokens, ignore_eos=True):
