@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from coordinator.config import threads_per_worker
-from coordinator.local_cluster import LocalCluster
+from coordinator.local_cluster import LocalCluster, checkout_env
 from protocol.messages import SeqPlan, Step
 from worker.attention import choose_attention
 from worker.build import resolve_dtype
@@ -115,12 +115,9 @@ def run_point(spec: dict[str, Any], procs: int, core: int, root: str | None = No
         else:
             share["arrivals"] = spec["arrivals"][k::procs]
         shares.append(share)
-    env = None
-    if root is not None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [root, *filter(None, [os.environ.get("PYTHONPATH")])]))
     clients = [subprocess.Popen([sys.executable, "-m", "benchmarks.serve_load"], cwd=root,
-                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                env=checkout_env(root), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
                for _ in shares]
     try:
         for proc, share in zip(clients, shares):

@@ -14,6 +14,15 @@ import threading
 import time
 
 
+def checkout_env(root: str | None) -> dict[str, str]:
+    """The environment of a process that runs the code of the checkout `root` (None: this
+    one's)."""
+    env = dict(os.environ)
+    if root is not None:
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
 class LocalCluster:
     def __init__(self, *launch_args: str, timeout: float = 600.0, quiet: bool = True,
                  command: str = "launch", root: str | None = None):
@@ -42,10 +51,7 @@ class LocalCluster:
             args += ["--worker-listen", "tcp://127.0.0.1:*"]
         if "--metrics-port" not in args:
             args += ["--metrics-port", "0"]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if self.root is not None:
-            env["PYTHONPATH"] = os.pathsep.join([self.root, *filter(None, [
-                os.environ.get("PYTHONPATH")])])
+        env = dict(checkout_env(self.root), PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "coordinator", self.command, *args], stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True, cwd=self.root,
