@@ -61,7 +61,7 @@ class PrefixCache:
         self.queried += len(seq.token_ids)
         keys: list[bytes] = []
         pages: list[int] = []
-        for key in page_keys(self.root, seq.token_ids[:limit // p * p], p):
+        for key in page_keys(self.root, seq.token_ids[:limit], p):
             page = self.by_key.get(key)
             if page is None:
                 break
@@ -95,7 +95,7 @@ class PrefixCache:
         p = self.page_size
         keys = seq.page_keys
         first = len(keys)
-        new = seq.token_ids[first * p:seq.n_computed // p * p]
+        new = seq.token_ids[first * p:seq.n_computed]
         for i, key in enumerate(page_keys(keys[-1] if keys else self.root, new, p), first):
             keys.append(key)
             self._keep(key, seq.pages[i])
