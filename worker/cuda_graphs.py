@@ -76,7 +76,7 @@ from .model import StageModel
 
 log = logging.getLogger("siding.worker")
 
-MAX_ROWS = 256  # steps with more rows run eagerly
+MAX_ROWS = 512  # steps with more rows run eagerly: the default step budget (--max-batch-tokens)
 PREPARED_SPLITS = 8  # graphs built at load: contexts up to 8 splits (2048 keys)
 
 
