@@ -15,10 +15,10 @@ from collections.abc import Callable
 import torch
 
 from protocol.errors import ProtocolError
-from protocol.messages import Activations, Step, StepError, StepResult
+from protocol.messages import Activations, SeqPlan, Step, StepError, StepResult
 
 from .metrics import WorkerMetrics
-from .overlap import Ahead, TokenCopy, continues, follow_on
+from .overlap import Ahead, TokenCopy, follow_on
 from .runner import ModelRunner, SequenceFault
 
 log = logging.getLogger("siding.worker")
@@ -46,7 +46,6 @@ class StepExecutor:
         # tokens (worker/overlap.py)
         self.ahead: deque[Ahead] = deque()
         self.used_streak = 0  # guesses used in a row: past DEEPEN_AFTER, `depth` are kept ahead
-        self.last_plan: Step | None = None  # the last plan run, to tell a steady batch
         self.forward_seconds, self.steps = 0.0, 0  # forward passes so far (the heartbeats)
 
     def run(self, plan: Step, upstream: Activations | tuple[Activations, torch.Tensor] | None
@@ -54,7 +53,6 @@ class StepExecutor:
         """Run `plan`; `upstream` is the previous stage's activations for it (None on the
         first stage; a bare Activations: that stage failed the step)."""
         runner = self.runner
-        last, self.last_plan = self.last_plan, plan
         try:
             if self.ahead:
                 ahead = self.ahead.popleft()
@@ -65,8 +63,12 @@ class StepExecutor:
                         runner.add_pages(s)
                     self._overlapped(plan, ahead.tokens, ahead.started, ahead.copy)
                     return
-                self.metrics.ahead("dropped")
-                self._drop_ahead()  # those after it were enqueued on it
+                split = ahead.split(plan)
+                self.metrics.ahead("dropped" if split is None else "partial")
+                self._drop_ahead()  # those after it were enqueued on it whole
+                if split is not None:
+                    self._partly(ahead, *split)
+                    return
             meta = runner.apply(plan)
             if isinstance(upstream, Activations):
                 self.forward_failure(plan.step)
@@ -76,7 +78,7 @@ class StepExecutor:
                 raise ProtocolError(f"step {plan.step}: activations do not match the plan")
             t0 = time.perf_counter()
             out = runner.forward(plan, meta, hidden)
-            if self.depth and continues(last, plan):
+            if self.depth:
                 self._overlapped(plan, runner.draw(plan, meta, out), t0)
             elif runner.last:
                 self._send_tokens(plan, *runner.sample(plan, meta, out), t0, runner.park_seconds)
@@ -108,6 +110,25 @@ class StepExecutor:
             self.metrics.ahead("dropped")
         self.ahead.clear()
         self.used_streak = 0
+
+    def _partly(self, ahead: Ahead, kept: list[tuple[int, SeqPlan]], rest: Step) -> None:
+        """Answer a plan that holds a part of a guessed step (`Ahead.split`): that part's tokens
+        are enqueued already; the rest of the plan (its other sequences, its frees) runs after
+        it as a step of its own. The plan's answer names the kept sequences first."""
+        runner = self.runner
+        for _, s in kept:
+            runner.add_pages(s)
+        tokens = ahead.tokens
+        if len(kept) < len(ahead.plan.seqs):
+            tokens = tokens[torch.tensor([i for i, _ in kept], device=tokens.device)]
+        seqs = [s for _, s in kept]
+        if rest.seqs or rest.free:
+            meta = runner.apply(rest)
+            if rest.seqs:
+                out = runner.forward(rest, meta, None)
+                tokens = torch.cat([tokens, runner.draw(rest, meta, out)])
+                seqs += rest.seqs
+        self._overlapped(Step(step=rest.step, seqs=seqs, token_ids=[]), tokens, ahead.started)
 
     def _overlapped(self, plan: Step, tokens: torch.Tensor, t0: float,
                     copy: TokenCopy | None = None) -> None:

@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 TRANSFER_PATHS = ("ahead", "ordered", "writeback")
 DECLINE_REASONS = ("budget", "headroom", "unsupported")
-AHEAD_OUTCOMES = ("used", "dropped")  # a step enqueued before its plan arrived (worker/overlap.py)
+# a step enqueued before its plan arrived: its plan whole, a part of it, or not (worker/overlap.py)
+AHEAD_OUTCOMES = ("used", "partial", "dropped")
 # One stage's forward pass: from well under a millisecond (a decode step on a GPU) to seconds
 # (a long prefill chunk on the CPU).
 FORWARD_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,

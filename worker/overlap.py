@@ -6,8 +6,8 @@ enqueuing step N+1, plus the round trip to the coordinator: the device idles all
 with `--kv host` so does the link once the layers primed for step N+1 have landed
 (docs/overlap-scheduling.md).
 
-So after enqueuing a decode step in which every sequence decodes, the worker also enqueues the
-steps that would follow it (`follow_on`: each sequence one position on, its input the token just
+So after enqueuing a step, the worker also enqueues the steps that would follow it
+(`follow_on`: one row for each sequence that sampled, one position on, its input the token just
 chosen, still on the device: greedy or drawn, since the draw is made on the device and keyed by
 (seed, position), worker/sampler.py) before it reads that token on the host: up to
 `STEPS_AHEAD` of them, each on the one before's tokens, so that a round trip to the coordinator
@@ -15,17 +15,23 @@ longer than a step is hidden too (one on a CPU, where a guess is a whole synchro
 with host KV, whose staging ring was measured with one: `protocol.messages.steps_ahead`). When
 the coordinator's plan arrives and is the first of them (`Ahead.matches`: the same sequences,
 positions and tokens, nothing freed, parked, restored or copied; pages it adds are taken), its
-work is already on the device; otherwise it and those after it are dropped and the plan runs as
-usual. Only a worker whose last steps continued one another guesses (`continues`): right after
-the batch changed, it is likely to change again. The coordinator gives decoding sequences their
-pages `STEPS_AHEAD` positions early while pages are free (coordinator/scheduler.py), so that a
-page boundary does not stop the guesses.
+work is already on the device. A serving load's plan seldom is: about every step a sequence
+ends and a new prompt starts. Where the plan holds a part of the guess (`Ahead.split`: the
+guessed rows of the sequences still decoding, beside a new prompt or freed sequences), that
+part is kept and the plan's other rows run after it as a step of their own, so the device
+computes the decode rows during the round trip. Otherwise (the plan parks, restores, copies or
+recomputes) the guess and those after it are dropped and the plan runs as usual. The
+coordinator gives decoding sequences their pages `STEPS_AHEAD` positions early while pages are
+free (coordinator/scheduler.py), so that a page boundary does not stop the guesses.
 
-A dropped step costs device time, never bytes: it computes what the real step would (the same
-rows of the same sequences on the same pages), and the K and V rows it writes past each context
-lie in the sequence's last pages, which it owns alone (a fork copies the tail page; a cached page
-is a full one), where the next step to reach that position writes again before anything reads
-it. Exact mode keeps its guarantee: a row's bits do not depend on which step carried it.
+A dropped step (or a dropped row of a step used in part) costs device time, never bytes: it
+computes what the real step would (the same rows of the same sequences on the same pages), and
+the K and V rows it writes past each context lie in the sequence's last pages, which it owns
+alone (a fork copies the tail page; a cached page is a full one), where the next step to reach
+that position writes again before anything reads it; a page freed with its sequence and given
+to another in the same plan is written by the plan's other rows after the guess, in stream
+order. Exact mode keeps its guarantee: a row's bits do not depend on which step carried it, so a
+plan split in two computes the bits of the plan whole.
 
 `--overlap` (`on`, `off`) decides it; `auto`, the default, turns it on for a CUDA device, where
 it was measured to help with either KV mode (docs/overlap-scheduling.md). On a CPU the forward
@@ -43,29 +49,26 @@ from protocol.messages import SeqPlan, Step
 from .runner import ModelRunner
 
 
-def continues(last: Step | None, plan: Step) -> bool:
-    """Whether `plan` is a decode step of exactly `last`'s sequences, each one position on."""
-    return (last is not None and len(plan.seqs) == len(last.seqs)
-            and all(s.id == p.id and s.n == 1 and s.start == p.start + p.n
-                    for s, p in zip(plan.seqs, last.seqs)))
-
-
 def follow_on(plan: Step, runner: ModelRunner) -> Step | None:
-    """The step that continues `plan` if the worker may enqueue it before it is asked: every
-    sequence decodes and has room for one more position in its pages and in the model's
-    context."""
-    if not (runner.first and runner.last and plan.seqs):
+    """The step that continues `plan` if the worker may enqueue it before it is asked: one row
+    for each sequence that samples in it (a decode row, or a prompt's last chunk) with room for
+    one more position in its pages and in the model's context. A sequence that does not sample
+    (a prompt chunk before its last) has nothing to go on yet and is left out."""
+    if not (runner.first and runner.last):
         return None
     seqs = []
     max_context = runner.stage.args.max_context
     for s in plan.seqs:
-        if s.n != 1 or not s.sample:
-            return None
+        if not s.sample:
+            continue
         # the next position needs a page only the coordinator can give, or lies past the
         # model's positions (pages given ahead end on a page boundary)
-        if s.start + 2 > min(len(runner.tables[s.id]) * runner.pool.page_size, max_context):
+        nxt = s.start + s.n
+        if nxt + 1 > min(len(runner.tables[s.id]) * runner.pool.page_size, max_context):
             return None
-        seqs.append(SeqPlan(id=s.id, start=s.start + 1, n=1, sample=True))
+        seqs.append(SeqPlan(id=s.id, start=nxt, n=1, sample=True))
+    if not seqs:
+        return None
     return Step(step=plan.step, seqs=seqs, token_ids=[0] * len(seqs))  # inputs on the device
 
 
@@ -114,3 +117,33 @@ class Ahead:
         return len(plan.seqs) == len(self.plan.seqs) and all(
             s.id == g.id and s.start == g.start and s.n == 1 and s.sample and s.sampling is None
             for s, g in zip(plan.seqs, self.plan.seqs))
+
+    def split(self, plan: Step) -> tuple[list[tuple[int, SeqPlan]], Step] | None:
+        """Where `plan` is not this step but holds a part of it: (the plan's rows this step
+        computed, each with its place among this step's sequences; the step of the plan's other
+        rows, to run after it). A part is what the plan asks of a guessed sequence exactly as
+        guessed (the same position, one row, on the same input, no new sampling parameters, not
+        freed); the plan may leave guessed sequences out (ended, or not scheduled: their rows
+        are dropped) and add others (a new prompt, a prompt's next chunk). None where it parks,
+        restores or copies pages, or asks a guessed sequence for something else (a recompute),
+        or keeps none of it."""
+        if plan.park or plan.restore or plan.copies or self.inputs is None:
+            return None
+        guessed = {g.id: (i, g) for i, g in enumerate(self.plan.seqs)}
+        free = set(plan.free)
+        kept, rest, rest_tokens, at = [], [], [], 0
+        for s in plan.seqs:
+            tokens, at = plan.token_ids[at:at + s.n], at + s.n
+            hit = guessed.get(s.id)
+            if hit is None:
+                rest.append(s)
+                rest_tokens += tokens
+                continue
+            i, g = hit
+            if not (s.start == g.start and s.n == 1 and s.sample and s.sampling is None
+                    and tokens == [self.inputs[i]] and s.id not in free):
+                return None
+            kept.append((i, s))
+        if not kept:
+            return None
+        return kept, Step(step=plan.step, seqs=rest, token_ids=rest_tokens, free=plan.free)

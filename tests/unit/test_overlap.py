@@ -22,7 +22,7 @@ from protocol.messages import (
 from worker.executor import StepExecutor
 from worker.kv.park_store import ParkStore
 from worker.loaders.synthetic import SyntheticSource
-from worker.overlap import Ahead, continues, follow_on
+from worker.overlap import Ahead, follow_on
 from worker.runner import ModelRunner
 from worker.sampler import SamplingParams
 
@@ -51,21 +51,25 @@ def test_the_next_step_is_guessed_for_decoding_sequences_with_room_in_their_page
     assert nxt.token_ids == [0, 0]  # the inputs stay on the device
 
 
-@pytest.mark.parametrize("plan,who", [
-    (decode((1, 6)), runner()),  # position 7 is the last of its pages: it may go on
-    (decode((2, 3)), runner()),  # position 4 needs a second page, which only the coordinator has
-    (Step(step=3, seqs=[SeqPlan(id=1, start=0, n=5, sample=True)], token_ids=[1] * 5), runner()),
-    (decode((1, 5)), SimpleNamespace(**{**vars(runner()), "last": False})),  # a layer split
+@pytest.mark.parametrize("plan,who,start", [
+    (decode((1, 6)), runner(), 7),  # position 7 is the last of its pages: it may go on
+    (decode((2, 3)), runner(), None),  # position 4 needs a second page, only the coordinator's
+    # a prompt's last chunk samples: its first decode row follows
+    (Step(step=3, seqs=[SeqPlan(id=1, start=0, n=5, sample=True)], token_ids=[1] * 5), runner(),
+     5),
+    (Step(step=3, seqs=[SeqPlan(id=1, start=0, n=5)], token_ids=[1] * 5), runner(), None),
+    (decode((1, 5)), SimpleNamespace(**{**vars(runner()), "last": False}), None),  # a split
 ])
-def test_no_guess_without_room_for_the_next_position_or_for_a_prefill_or_a_split(plan, who):
-    assert (follow_on(plan, who) is None) == (plan.seqs[0].start != 6)
+def test_no_guess_without_room_for_the_next_position_or_for_a_chunk_or_a_split(plan, who,
+                                                                              start):
+    nxt = follow_on(plan, who)
+    assert (nxt and [(s.id, s.start) for s in nxt.seqs]) == (start and [(1, start)])
 
 
-def test_a_batch_is_steady_when_its_sequences_each_moved_one_position():
-    assert continues(decode((1, 4), (2, 0)), decode((1, 5), (2, 1)))
-    assert not continues(None, decode((1, 5)))
-    assert not continues(decode((1, 4), (2, 0)), decode((1, 5)))  # one left
-    assert not continues(decode((1, 4)), decode((1, 6)))
+def test_a_sequence_midway_through_its_prompt_is_left_out_of_the_guess():
+    plan = Step(step=3, seqs=[SeqPlan(id=1, start=5, n=1, sample=True),
+                              SeqPlan(id=2, start=0, n=3)], token_ids=[7, 1, 2, 3])
+    assert [(s.id, s.start) for s in follow_on(plan, runner()).seqs] == [(1, 6)]
 
 
 @pytest.mark.parametrize("change", [
@@ -87,6 +91,51 @@ def test_only_the_plan_it_guessed_uses_a_step_enqueued_ahead(change):
     for key, value in change.items():
         setattr(plan, key, value)
     assert ahead.matches(plan) == (not change)
+
+
+def guessed_three() -> Ahead:
+    """Sequences 1, 2 and 3 guessed at positions 6, 2 and 3 on the inputs 101, 102, 103."""
+    plan = decode((1, 5), (2, 1), (3, 2))
+    who = runner()
+    who.tables[3] = [10]
+    return Ahead(follow_on(plan, who), inputs=[101, 102, 103], tokens=None, started=0.0)
+
+
+def test_a_plan_that_holds_part_of_a_guess_keeps_it_and_runs_the_rest():
+    # 2 ended (freed) and 3 was not scheduled; a new prompt (4) and a prompt's next chunk (5)
+    plan = Step(step=4, free=[2], token_ids=[103, 101, 1, 2, 3, 9], seqs=[
+        SeqPlan(id=3, start=3, n=1, sample=True, pages_add=[11]),
+        SeqPlan(id=1, start=6, n=1, sample=True),
+        SeqPlan(id=4, start=0, n=3, pages_add=[12], sample=True, sampling=Sampling()),
+        SeqPlan(id=5, start=8, n=1)])
+    kept, rest = guessed_three().split(plan)
+    assert [(i, s.id) for i, s in kept] == [(2, 3), (0, 1)]
+    assert [s.id for s in rest.seqs] == [4, 5] and rest.token_ids == [1, 2, 3, 9]
+    assert rest.free == [2] and rest.step == 4
+
+
+@pytest.mark.parametrize("change", [
+    {"park": [PageMove(id=4, pages=[1], slots=[0])]},
+    {"restore": [PageMove(id=4, pages=[1], slots=[0])]},
+    {"copies": [PageCopy(src=1, dst=2)]},
+    {"free": [1]},  # a guessed sequence freed, and asked for again: a recompute
+    {"seqs": [SeqPlan(id=1, start=0, n=7, sample=True)], "token_ids": [1] * 7},
+    {"token_ids": [100]},  # another input than the guess's
+    {"seqs": [SeqPlan(id=1, start=6, n=1, sample=True, sampling=Sampling())]},
+    {"seqs": [SeqPlan(id=4, start=0, n=1, sample=True)]},  # nothing of the guess
+])
+def test_a_plan_that_asks_a_guessed_sequence_for_something_else_drops_the_guess(change):
+    plan = Step(step=4, seqs=[SeqPlan(id=1, start=6, n=1, sample=True)], token_ids=[101])
+    for key, value in change.items():
+        setattr(plan, key, value)
+    assert guessed_three().split(plan) is None
+
+
+def test_no_part_of_a_guess_before_its_inputs_are_read():
+    ahead = guessed_three()
+    ahead.inputs = None
+    assert ahead.split(Step(step=4, seqs=[SeqPlan(id=1, start=6, n=1, sample=True)],
+                            token_ids=[101])) is None
 
 
 def test_a_guessed_step_takes_the_pages_its_plan_adds_and_waits_for_its_inputs():
@@ -178,7 +227,8 @@ def test_dropped_guesses_leave_no_trace(kv, depth):
 def serve_decodes(depth: int) -> tuple[list[list[int]], list[str]]:
     """A worker's executor as the coordinator drives it: two sequences prefill, then decode on
     the tokens it sent back, given pages early (as the scheduler's lookahead does); at step 6
-    sequence 2 ends and is freed. Returns the tokens of each step and each guess's outcome."""
+    sequence 2 ends and is freed, at step 7 sequence 3's prompt starts on its pages. Returns the
+    tokens of each step and each guess's outcome."""
     source = SyntheticSource("tiny")
     a = source.args
     stage = source.load_stage(0, a.n_layers, torch.float32, "cpu")
@@ -195,12 +245,19 @@ def serve_decodes(depth: int) -> tuple[list[list[int]], list[str]]:
     for step in range(1, 11):
         ids = [1] if step >= 6 else [1, 2]
         add = extra.get(step, ([], []))
+        last = dict(zip(sent[-1].seq_ids, sent[-1].tokens))
         plan = Step(step=step, free=[2] if step == 6 else [],
                     seqs=[SeqPlan(id=i, start=4 + step, n=1, pages_add=add[i - 1], sample=True)
                           for i in ids],
-                    token_ids=sent[-1].tokens[:len(ids)])
+                    token_ids=[last[i] for i in ids])
+        if step == 7:  # a new prompt, on pages sequence 2 held
+            plan.seqs.append(SeqPlan(id=3, start=0, n=3, pages_add=[2, 3], sample=True))
+            plan.token_ids += [31, 32, 33]
+        elif step > 7:
+            plan.seqs.append(SeqPlan(id=3, start=step - 5, n=1, sample=True))
+            plan.token_ids.append(last[3])
         ex.run(plan, None)
-        assert sent[-1].step == step and sent[-1].seq_ids == ids
+        assert sent[-1].step == step and sent[-1].seq_ids == [s.id for s in plan.seqs]
     return [r.tokens for r in sent], outcomes
 
 
@@ -212,11 +269,12 @@ def test_steps_enqueued_ahead_give_the_tokens_of_plain_steps(monkeypatch, depth,
     plain, none = serve_decodes(0)
     tokens, outcomes = serve_decodes(depth)
     assert tokens == plain and not none
-    # steps 2-5 were enqueued ahead and used (pages added or not), `depth` ahead from step 4 on
-    # if two in a row suffice; at step 6 the plan freed a sequence: the guess for it and those
-    # enqueued on it were dropped; step 6 ran plainly, a new batch, so guessing began again
-    # after step 7
-    assert outcomes == ["used"] * 4 + ["dropped"] * dropped + ["used"] * 3
+    # steps 1-5 were enqueued ahead and used (pages added or not), `depth` ahead from step 3 on
+    # if two in a row suffice; at step 6 the plan freed a sequence: the guess's row for the other
+    # was used, the guesses enqueued on the whole guess were dropped; at step 7 a new prompt
+    # joined the guessed row; then the guesses held both sequences
+    assert outcomes == (["used"] * 5 + ["partial"] + ["dropped"] * (dropped - 1) + ["partial"]
+                        + ["used"] * 3)
 
 
 def test_a_stage_of_a_layer_split_runs_plain_steps_whatever_its_overlap():
