@@ -52,21 +52,19 @@ from .runner import ModelRunner
 def follow_on(plan: Step, runner: ModelRunner) -> Step | None:
     """The step that continues `plan` if the worker may enqueue it before it is asked: one row
     for each sequence that samples in it (a decode row, or a prompt's last chunk) with room for
-    one more position in its pages and in the model's context. A sequence that does not sample
-    (a prompt chunk before its last) has nothing to go on yet and is left out."""
+    one more position in its pages and in the model's context. The others are left out: a
+    prompt chunk before its last has nothing to go on yet, and a sequence at the end of its
+    pages needs one that only the coordinator gives (its row is then the plan's, run after the
+    guess: `Ahead.split`)."""
     if not (runner.first and runner.last):
         return None
     seqs = []
     max_context = runner.stage.args.max_context
     for s in plan.seqs:
-        if not s.sample:
-            continue
-        # the next position needs a page only the coordinator can give, or lies past the
-        # model's positions (pages given ahead end on a page boundary)
-        nxt = s.start + s.n
-        if nxt + 1 > min(len(runner.tables[s.id]) * runner.pool.page_size, max_context):
-            return None
-        seqs.append(SeqPlan(id=s.id, start=nxt, n=1, sample=True))
+        nxt = s.start + s.n  # pages given ahead end on a page boundary
+        if s.sample and nxt < min(len(runner.tables[s.id]) * runner.pool.page_size,
+                                  max_context):
+            seqs.append(SeqPlan(id=s.id, start=nxt, n=1, sample=True))
     if not seqs:
         return None
     return Step(step=plan.step, seqs=seqs, token_ids=[0] * len(seqs))  # inputs on the device

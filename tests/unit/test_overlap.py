@@ -66,9 +66,13 @@ def test_no_guess_without_room_for_the_next_position_or_for_a_chunk_or_a_split(p
     assert (nxt and [(s.id, s.start) for s in nxt.seqs]) == (start and [(1, start)])
 
 
-def test_a_sequence_midway_through_its_prompt_is_left_out_of_the_guess():
-    plan = Step(step=3, seqs=[SeqPlan(id=1, start=5, n=1, sample=True),
-                              SeqPlan(id=2, start=0, n=3)], token_ids=[7, 1, 2, 3])
+@pytest.mark.parametrize("other", [
+    SeqPlan(id=2, start=0, n=3),  # midway through its prompt
+    SeqPlan(id=2, start=3, n=1, sample=True),  # position 4 needs a page the plan will give
+])
+def test_a_sequence_with_nothing_to_go_on_is_left_out_of_the_guess(other):
+    plan = Step(step=3, seqs=[SeqPlan(id=1, start=5, n=1, sample=True), other],
+                token_ids=[7] + [1] * other.n)
     assert [(s.id, s.start) for s in follow_on(plan, runner()).seqs] == [(1, 6)]
 
 
