@@ -95,6 +95,8 @@ class PrefixCache:
         p = self.page_size
         keys = seq.page_keys
         first = len(keys)
+        if seq.n_computed < (first + 1) * p:  # no page filled since: most decode steps
+            return
         new = seq.token_ids[first * p:seq.n_computed]
         for i, key in enumerate(page_keys(keys[-1] if keys else self.root, new, p), first):
             keys.append(key)

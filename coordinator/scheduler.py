@@ -305,7 +305,7 @@ class Scheduler:
             if (out.parks or out.recomputed) and self._preempted(seq, out):
                 continue  # by an earlier sequence of this step
             n = self.rows(seq, budget)
-            while not self.allocator.can_allocate(self.pages_needed(seq, n)):
+            while (need := self.pages_needed(seq, n)) > 0 and not self.allocator.can_allocate(need):
                 victim = self._victim(worse_than=seq, keep=[s for s, _ in out.batch])
                 if victim is None:
                     break
@@ -439,7 +439,9 @@ class Scheduler:
         parent.fork_at, parent.children = None, []
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
-        need = max(0, self.pages_needed(seq, n))  # pages reserved ahead may cover it already
+        need = self.pages_needed(seq, n)
+        if need <= 0:  # its pages cover it already (most decode steps; pages reserved ahead)
+            return True
         if not self.allocator.can_allocate(need):
             return False
         seq.pages += self.allocator.allocate(need)
@@ -450,6 +452,8 @@ class Scheduler:
         than its length allows), from free pages only, and only while a page stays free for
         every running sequence: never by evicting a cached prefix. `schedule` asks once the
         step's batch is made, and only while nothing waits or is parked."""
+        if len(seq.pages) * self.page_size > seq.n_computed + self.lookahead:
+            return  # it holds them already
         left = min(seq.request.params.max_tokens - seq.n_generated,
                    self.max_context - len(seq.token_ids))
         need = self.pages_needed(seq, 1 + min(self.lookahead, left - 1))
