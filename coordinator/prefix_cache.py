@@ -28,11 +28,13 @@ from .sequence import Sequence
 
 def page_keys(parent: bytes, tokens: list[int], page_size: int) -> Iterator[bytes]:
     """The key of each full page of `tokens` in turn: a hash of the one before's (the first:
-    `parent`) and the page's ids, packed once for all the pages rather than a page at a time."""
-    ids = array("q", tokens[:len(tokens) - len(tokens) % page_size])
+    `parent`) and the page's ids (int32, as they cross the wire), packed once for all the pages
+    rather than a page at a time. SHA-256, cut to 16 bytes: the processors we run on compute it
+    in hardware, about twice as fast a call as BLAKE2b here."""
+    ids = array("i", tokens[:len(tokens) - len(tokens) % page_size])
     packed, size = ids.tobytes(), page_size * ids.itemsize
     for i in range(0, len(packed), size):
-        parent = hashlib.blake2b(parent + packed[i:i + size], digest_size=16).digest()
+        parent = hashlib.sha256(parent + packed[i:i + size]).digest()[:16]
         yield parent
 
 
@@ -40,8 +42,7 @@ class PrefixCache:
     def __init__(self, allocator: PageAllocator, page_size: int, salt: str):
         self.allocator = allocator
         self.page_size = page_size
-        self.root = hashlib.blake2b(f"{salt}|page {page_size}".encode(),
-                                    digest_size=16).digest()
+        self.root = hashlib.sha256(f"{salt}|page {page_size}".encode()).digest()[:16]
         self.by_key: dict[bytes, int] = {}  # key -> the page holding it
         self.key_of: dict[int, bytes] = {}  # page -> its key
         allocator.on_evict = self._evicted

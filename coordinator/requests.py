@@ -9,6 +9,8 @@ import time
 from array import array
 from collections import Counter
 
+import numpy as np
+
 from protocol.errors import ErrorCode
 from protocol.messages import Cancel, Failed, Finished, Outputs, Report, Submit
 
@@ -35,12 +37,11 @@ class Requests:
     def submit(self, frontend: int, msg: Submit, frame: memoryview, vocab_size: int,
                closed: tuple[ErrorCode, str] | None) -> None:
         """Queue a request, or refuse it: `closed` says why the core takes none now."""
-        prompt = array("i")
-        if len(frame) != prompt.itemsize * msg.n_prompt:
+        if len(frame) != 4 * msg.n_prompt:
             return self._refuse(frontend, msg.key, ErrorCode.INVALID_REQUEST,
                                 "the prompt frame does not hold n_prompt ids")
-        prompt.frombytes(frame)
-        if max(prompt) >= vocab_size or min(prompt) < 0:
+        prompt = np.frombuffer(frame, dtype=np.int32)  # checked whole, not id by id
+        if prompt.max() >= vocab_size or prompt.min() < 0:
             return self._refuse(frontend, msg.key, ErrorCode.INVALID_REQUEST,
                                 "the prompt has ids outside the vocabulary")
         if closed is not None:
