@@ -118,9 +118,9 @@ class StepExecutor:
         runner = self.runner
         for _, s in kept:
             runner.add_pages(s)
-        tokens = ahead.tokens
-        if len(kept) < len(ahead.plan.seqs):
-            tokens = tokens[torch.tensor([i for i, _ in kept], device=tokens.device)]
+        tokens, order = ahead.tokens, [i for i, _ in kept]
+        if order != list(range(len(ahead.plan.seqs))):  # some left out, or in another order
+            tokens = tokens[torch.tensor(order, device=tokens.device)]
         seqs = [s for _, s in kept]
         if rest.seqs or rest.free:
             meta = runner.apply(rest)
@@ -150,7 +150,7 @@ class StepExecutor:
             chosen = copy.read()
             self._send_tokens(plan, ids, chosen, t0, park_seconds)
         if self.ahead and self.ahead[0].inputs is None:  # the step after `plan`
-            self.ahead[0].inputs = chosen
+            self.ahead[0].read_inputs(chosen)
 
     def _enqueue_ahead(self, plan: Step, tokens: torch.Tensor) -> None:
         """Enqueue the steps that follow `plan` (whose tokens are `tokens`, on the device) or the
@@ -165,15 +165,23 @@ class StepExecutor:
             nxt = follow_on(plan, runner)
             if nxt is None:
                 return
+            picked = None
+            sampled = [s.id for s in plan.seqs if s.sample]  # `tokens` are theirs, in order
+            if len(nxt.seqs) < len(sampled):  # some are left out: their tokens are no inputs
+                where = {seq_id: k for k, seq_id in enumerate(sampled)}
+                picked = [where[s.id] for s in nxt.seqs]
             try:
                 started = time.perf_counter()
+                inputs = tokens if picked is None else tokens[
+                    torch.tensor(picked, device=tokens.device)]
                 meta = runner.apply(nxt)
-                out = runner.forward(nxt, meta, None, tokens)
+                out = runner.forward(nxt, meta, None, inputs)
                 tokens = runner.draw(nxt, meta, out)
             except Exception:  # the plans themselves are unharmed: the guess is not made
                 log.exception("a decode step could not be enqueued ahead of its plan")
                 return
-            self.ahead.append(Ahead(nxt, None, tokens, started, TokenCopy.start(tokens)))
+            self.ahead.append(Ahead(nxt, None, tokens, started, TokenCopy.start(tokens),
+                                    picked))
             plan = nxt
 
     def _send_tokens(self, plan: Step, seq_ids: list[int], tokens: list[int], t0: float,

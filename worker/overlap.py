@@ -104,6 +104,13 @@ class Ahead:
     tokens: torch.Tensor  # its tokens, on the device
     started: float  # perf_counter when it was enqueued: its forward time counts from there
     copy: TokenCopy | None = None  # its tokens' copy to the host, started when it was enqueued
+    # where its sequences' inputs are among the step before's tokens (None: all of them, in
+    # order; a sequence left out of the guess leaves a gap)
+    picked: list[int] | None = None
+
+    def read_inputs(self, before: list[int]) -> None:
+        """The step before's tokens have reached the host: note this step's inputs among them."""
+        self.inputs = before if self.picked is None else [before[k] for k in self.picked]
 
     def matches(self, plan: Step) -> bool:
         """Whether `plan` is this step exactly: the same sequences at the same positions on

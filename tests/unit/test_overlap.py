@@ -281,6 +281,43 @@ def test_steps_enqueued_ahead_give_the_tokens_of_plain_steps(monkeypatch, depth,
                         + ["used"] * 3)
 
 
+def decodes_at_page_ends(depth: int) -> tuple[list[dict[int, int]], list[str]]:
+    """Two sequences decoding whose pages are given only when a step needs them, as when
+    prompts wait: each in turn reaches the end of its pages while the other has room. Returns
+    each step's tokens by sequence and each guess's outcome."""
+    source = SyntheticSource("tiny")
+    a = source.args
+    stage = source.load_stage(0, a.n_layers, torch.float32, "cpu")
+    device, _ = pools(0, delay_ms=0.0, n_pages=16,
+                      shape=(a.n_layers, PAGE, a.n_kv_heads, a.head_dim))
+    runner = ModelRunner(stage, device, ParkStore(device, 4), "cpu")
+    sent, outcomes = [], []
+    metrics = SimpleNamespace(forward=lambda seconds: None, ahead=outcomes.append)
+    ex = StepExecutor(runner, 0, torch.float32, depth, metrics, sent.append, None)
+    ex.run(Step(step=0, seqs=[SeqPlan(id=1, start=0, n=5, pages_add=[0, 1], sample=True),
+                              SeqPlan(id=2, start=0, n=3, pages_add=[2], sample=True)],
+                token_ids=[11, 12, 13, 14, 15, 21, 22, 23]), None)
+    pages = {(1, 8): [4], (2, 4): [3], (2, 8): [5]}  # (sequence, position) -> its next page
+    for step in range(1, 8):
+        last = dict(zip(sent[-1].seq_ids, sent[-1].tokens))
+        seqs = [SeqPlan(id=i, start=start, n=1, sample=True, pages_add=pages.get((i, start), []))
+                for i, start in ((1, 4 + step), (2, 2 + step))]
+        ex.run(Step(step=step, seqs=seqs, token_ids=[last[1], last[2]]), None)
+        assert sent[-1].step == step and sorted(sent[-1].seq_ids) == [1, 2]
+    return [dict(zip(r.seq_ids, r.tokens)) for r in sent], outcomes
+
+
+@pytest.mark.parametrize("depth", [1, STEPS_AHEAD])
+def test_a_sequence_at_the_end_of_its_pages_leaves_the_rest_of_the_guess_standing(depth):
+    plain, none = decodes_at_page_ends(0)
+    tokens, outcomes = decodes_at_page_ends(depth)
+    assert tokens == plain and not none
+    # 2 ends its first page at step 1 and 1 its second at step 3: the guesses after them held
+    # the other sequence alone, and their plans used them in part
+    assert outcomes[:4] == ["used", "partial", "used", "partial"]
+    assert "dropped" not in outcomes
+
+
 def test_a_stage_of_a_layer_split_runs_plain_steps_whatever_its_overlap():
     source = SyntheticSource("tiny")
     a = source.args
