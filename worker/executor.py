@@ -1,6 +1,7 @@
 """The step executor: runs one plan on this worker's layers and hands on what it produced, the
 next stage's activations or (on the last stage) the sampled tokens; with overlap, enqueues the
-steps that follow a decode step before reading its tokens (worker/overlap.py).
+steps that follow a step before reading its tokens, and answers a plan from them, whole or in
+part (worker/overlap.py).
 
 It knows plans and tensors, not sockets: the process gives it where results and activations go.
 """
