@@ -69,6 +69,7 @@ def _bytes(part: Any) -> bytes | memoryview:
 
 
 _send = zmq.backend.Socket.send  # the Cython send, without the Python layer's checks per call
+_SNDMORE = int(zmq.SNDMORE)  # a plain int: OR-ing zmq's IntFlag members runs enum code per call
 
 
 def send(sock: zmq.Socket, parts: Sequence[bytes | memoryview], flags: int = 0) -> None:
@@ -76,9 +77,10 @@ def send(sock: zmq.Socket, parts: Sequence[bytes | memoryview], flags: int = 0) 
     4 small parts: 5-6 us against 10-14), for the frontends' stream chunks, one per token per
     client. Raises zmq.ZMQError as send_multipart does; a multipart message is accepted or
     refused whole at its first part."""
-    last = len(parts) - 1
+    flags = int(flags)
+    more, last = flags | _SNDMORE, len(parts) - 1
     for i, part in enumerate(parts):
-        _send(sock, part, flags | zmq.SNDMORE if i < last else flags)
+        _send(sock, part, more if i < last else flags)
 
 
 def drain(sock: zmq.Socket, handle, malformed, limit: int = 1000,
