@@ -19,6 +19,8 @@ from .metrics import CoordinatorMetrics
 from .scheduler import Schedule, Scheduler, StepOutput
 from .sequence import Request
 
+PROMPT_ID = np.dtype(np.int32)  # a SUBMIT's prompt frame: its ids, as array("i") packs them
+
 
 class Requests:
     def __init__(self, scheduler: Scheduler, frontends: FrontendGroup,
@@ -37,10 +39,10 @@ class Requests:
     def submit(self, frontend: int, msg: Submit, frame: memoryview, vocab_size: int,
                closed: tuple[ErrorCode, str] | None) -> None:
         """Queue a request, or refuse it: `closed` says why the core takes none now."""
-        if len(frame) != 4 * msg.n_prompt:
+        if len(frame) != PROMPT_ID.itemsize * msg.n_prompt:
             return self._refuse(frontend, msg.key, ErrorCode.INVALID_REQUEST,
                                 "the prompt frame does not hold n_prompt ids")
-        prompt = np.frombuffer(frame, dtype=np.int32)  # checked whole, not id by id
+        prompt = np.frombuffer(frame, dtype=PROMPT_ID)  # checked whole, not id by id
         if prompt.max() >= vocab_size or prompt.min() < 0:
             return self._refuse(frontend, msg.key, ErrorCode.INVALID_REQUEST,
                                 "the prompt has ids outside the vocabulary")

@@ -19,7 +19,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import Activations, SeqPlan, Step, StepError, StepResult
 
 from .metrics import WorkerMetrics
-from .overlap import Ahead, TokenCopy, follow_on
+from .overlap import Ahead, TokenCopy, follow_on, take
 from .runner import ModelRunner, SequenceFault
 
 log = logging.getLogger("siding.worker")
@@ -119,9 +119,7 @@ class StepExecutor:
         runner = self.runner
         for _, s in kept:
             runner.add_pages(s)
-        tokens, order = ahead.tokens, [i for i, _ in kept]
-        if order != list(range(len(ahead.plan.seqs))):  # some left out, or in another order
-            tokens = tokens[torch.tensor(order, device=tokens.device)]
+        tokens = take(ahead.tokens, [i for i, _ in kept])  # some left out, or reordered
         seqs = [s for _, s in kept]
         if rest.seqs or rest.free:
             meta = runner.apply(rest)
@@ -173,10 +171,8 @@ class StepExecutor:
                 picked = [where[s.id] for s in nxt.seqs]
             try:
                 started = time.perf_counter()
-                inputs = tokens if picked is None else tokens[
-                    torch.tensor(picked, device=tokens.device)]
                 meta = runner.apply(nxt)
-                out = runner.forward(nxt, meta, None, inputs)
+                out = runner.forward(nxt, meta, None, take(tokens, picked))
                 tokens = runner.draw(nxt, meta, out)
             except Exception:  # the plans themselves are unharmed: the guess is not made
                 log.exception("a decode step could not be enqueued ahead of its plan")

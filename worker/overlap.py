@@ -70,6 +70,19 @@ def follow_on(plan: Step, runner: ModelRunner) -> Step | None:
     return Step(step=plan.step, seqs=seqs, token_ids=[0] * len(seqs))  # inputs on the device
 
 
+def as_guessed(s: SeqPlan, g: SeqPlan) -> bool:
+    """Whether a plan asks of a sequence the row `g` guessed for it: the same position, one
+    row that samples, no new sampling parameters (its input is compared apart)."""
+    return s.start == g.start and s.n == 1 and s.sample and s.sampling is None
+
+
+def take(tokens: torch.Tensor, order: list[int] | None) -> torch.Tensor:
+    """`tokens` at the places `order` names, in its order (None: all of them as they are)."""
+    if order is None or order == list(range(len(tokens))):
+        return tokens
+    return tokens[torch.tensor(order, device=tokens.device)]
+
+
 @dataclass
 class TokenCopy:
     """A step's tokens on their way to the host: a pinned copy enqueued right behind the step,
@@ -120,8 +133,7 @@ class Ahead:
                 or plan.token_ids != self.inputs):
             return False
         return len(plan.seqs) == len(self.plan.seqs) and all(
-            s.id == g.id and s.start == g.start and s.n == 1 and s.sample and s.sampling is None
-            for s, g in zip(plan.seqs, self.plan.seqs))
+            s.id == g.id and as_guessed(s, g) for s, g in zip(plan.seqs, self.plan.seqs))
 
     def split(self, plan: Step) -> tuple[list[tuple[int, SeqPlan]], Step] | None:
         """Where `plan` is not this step but holds a part of it: (the plan's rows this step
@@ -145,8 +157,7 @@ class Ahead:
                 rest_tokens += tokens
                 continue
             i, g = hit
-            if not (s.start == g.start and s.n == 1 and s.sample and s.sampling is None
-                    and tokens == [self.inputs[i]] and s.id not in free):
+            if not (as_guessed(s, g) and tokens == [self.inputs[i]] and s.id not in free):
                 return None
             kept.append((i, s))
         if not kept:

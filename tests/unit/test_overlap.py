@@ -228,11 +228,9 @@ def test_dropped_guesses_leave_no_trace(kv, depth):
         assert torch.equal(h1, h2) and t1 == t2, f"step {step}"
 
 
-def serve_decodes(depth: int) -> tuple[list[list[int]], list[str]]:
-    """A worker's executor as the coordinator drives it: two sequences prefill, then decode on
-    the tokens it sent back, given pages early (as the scheduler's lookahead does); at step 6
-    sequence 2 ends and is freed, at step 7 sequence 3's prompt starts on its pages. Returns the
-    tokens of each step and each guess's outcome."""
+def whole_model_executor(depth: int) -> tuple[StepExecutor, list, list[str]]:
+    """An executor `depth` steps ahead over the whole tiny model and a pool of 16 pages; what it
+    sends the coordinator, and each guess's outcome."""
     source = SyntheticSource("tiny")
     a = source.args
     stage = source.load_stage(0, a.n_layers, torch.float32, "cpu")
@@ -241,7 +239,16 @@ def serve_decodes(depth: int) -> tuple[list[list[int]], list[str]]:
     runner = ModelRunner(stage, device, ParkStore(device, 4), "cpu")
     sent, outcomes = [], []
     metrics = SimpleNamespace(forward=lambda seconds: None, ahead=outcomes.append)
-    ex = StepExecutor(runner, 0, torch.float32, depth, metrics, sent.append, None)
+    return StepExecutor(runner, 0, torch.float32, depth, metrics, sent.append, None), sent, \
+        outcomes
+
+
+def serve_decodes(depth: int) -> tuple[list[list[int]], list[str]]:
+    """A worker's executor as the coordinator drives it: two sequences prefill, then decode on
+    the tokens it sent back, given pages early (as the scheduler's lookahead does); at step 6
+    sequence 2 ends and is freed, at step 7 sequence 3's prompt starts on its pages. Returns the
+    tokens of each step and each guess's outcome."""
+    ex, sent, outcomes = whole_model_executor(depth)
     ex.run(Step(step=0, seqs=[SeqPlan(id=1, start=0, n=5, pages_add=[0, 1], sample=True),
                               SeqPlan(id=2, start=0, n=5, pages_add=[2, 3], sample=True)],
                 token_ids=[11, 12, 13, 14, 15, 21, 22, 23, 24, 25]), None)
@@ -285,15 +292,7 @@ def decodes_at_page_ends(depth: int) -> tuple[list[dict[int, int]], list[str]]:
     """Two sequences decoding whose pages are given only when a step needs them, as when
     prompts wait: each in turn reaches the end of its pages while the other has room. Returns
     each step's tokens by sequence and each guess's outcome."""
-    source = SyntheticSource("tiny")
-    a = source.args
-    stage = source.load_stage(0, a.n_layers, torch.float32, "cpu")
-    device, _ = pools(0, delay_ms=0.0, n_pages=16,
-                      shape=(a.n_layers, PAGE, a.n_kv_heads, a.head_dim))
-    runner = ModelRunner(stage, device, ParkStore(device, 4), "cpu")
-    sent, outcomes = [], []
-    metrics = SimpleNamespace(forward=lambda seconds: None, ahead=outcomes.append)
-    ex = StepExecutor(runner, 0, torch.float32, depth, metrics, sent.append, None)
+    ex, sent, outcomes = whole_model_executor(depth)
     ex.run(Step(step=0, seqs=[SeqPlan(id=1, start=0, n=5, pages_add=[0, 1], sample=True),
                               SeqPlan(id=2, start=0, n=3, pages_add=[2], sample=True)],
                 token_ids=[11, 12, 13, 14, 15, 21, 22, 23]), None)
