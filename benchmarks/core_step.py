@@ -73,8 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _core(streams: int):
-    """A scheduler with the prefix cache and pages ahead, its requests, as a one-GPU core has
-    them (the classes of whichever checkout is on the path)."""
+    """A scheduler with the prefix cache, planning ahead, its requests, as a one-GPU core has
+    them (the classes of whichever checkout is on the path: before planning ahead, a core
+    gave pages ahead instead)."""
+    import inspect
     from types import SimpleNamespace
 
     from coordinator.metrics import CoordinatorMetrics
@@ -85,8 +87,10 @@ def _core(streams: int):
 
     pool = PageAllocator(1 << 16)
     cache = PrefixCache(pool, PAGE_SIZE, "bench|bfloat16|exact=False")
+    ahead = {"plan_ahead": True} if "plan_ahead" in inspect.signature(Scheduler).parameters \
+        else {"lookahead": 2}
     scheduler = Scheduler(pool, PageAllocator(1 << 16), PAGE_SIZE, max(64, streams), 512,
-                          prefix_cache=cache, lookahead=2)
+                          prefix_cache=cache, **ahead)
     scheduler.set_model(frozenset([0]), 1 << 20)
     metrics = CoordinatorMetrics()
     metrics.watch_prefix_cache(cache)

@@ -99,12 +99,14 @@ class EngineCore:
         if config.prefix_cache:  # keyed by all that changes a page's bits besides its tokens
             cache = PrefixCache(pool, w.page_size, f"{w.model}|{w.dtype}|exact={w.exact}")
             self.metrics.watch_prefix_cache(cache)
-        # pages ahead for the steps a worker that is the whole pipeline enqueues early
+        # A worker that is the whole pipeline takes steps planned on the tokens of those before
+        # it, still in flight (docs/overlap-scheduling.md); a layer split runs one step a stage.
         ahead = steps_ahead(w.overlap, config.devices[0], w.kv) if config.workers == 1 else 0
+        self.max_in_flight = 1 + ahead if ahead else config.workers
         self.scheduler = Scheduler(pool, PageAllocator(w.park_pages), w.page_size,
                                    w.max_batch_seqs, w.max_batch_tokens,
                                    config.preempt_every, config.prefill_hold_ms / 1000, cache,
-                                   lookahead=ahead)
+                                   plan_ahead=bool(ahead))
         self.requests = Requests(self.scheduler, self.frontends, self.metrics,
                                  config.max_waiting, config.max_queued_per_client)
         self.inflight: dict[int, InFlight] = {}
@@ -258,7 +260,7 @@ class EngineCore:
     def _dispatch(self) -> None:
         if not self.workers.ready:
             return
-        while len(self.inflight) < max(1, len(self.workers.handles)):
+        while len(self.inflight) < self.max_in_flight:
             sched = self.scheduler.next_step()
             if not sched:
                 return
@@ -313,6 +315,9 @@ class EngineCore:
         if msg.park_seconds:
             self.metrics.park_seconds.observe(msg.park_seconds)
         out = self.scheduler.update_from_output(rec.sched, msg.seq_ids, msg.tokens)
+        if out.ahead_used or out.ahead_dropped:
+            self.metrics.ahead_rows.labels(outcome="used").inc(out.ahead_used)
+            self.metrics.ahead_rows.labels(outcome="dropped").inc(out.ahead_dropped)
         self.unsent += self.requests.outputs(out, now)
 
     def _on_step_error(self, msg: StepError) -> None:

@@ -26,6 +26,9 @@ class CoordinatorMetrics:
         self.preemptions = Counter("siding_preemptions", "Sequences preempted", ["action"],
                                    registry=r)
         self.restores = Counter("siding_restores", "Parked sequences restored", registry=r)
+        self.ahead_rows = Counter("siding_ahead_rows",
+                                  "Rows planned on a token still in flight: used, or dropped "
+                                  "(their sequence had ended)", ["outcome"], registry=r)
         self.park_bytes = Counter("siding_park_bytes", "Bytes parked and restored",
                                   ["direction"], registry=r)
         self.park_seconds = Histogram("siding_park_seconds", "Time of one park or restore",

@@ -10,8 +10,8 @@ from .scheduler import Schedule
 
 def step_plan(step: int, sched: Schedule) -> Step:
     plans, tokens = [], []
-    for seq, n in sched.batch:
-        start = seq.n_computed
+    for (seq, n), start, sample, after in zip(sched.batch, sched.starts, sched.samples,
+                                              sched.after):
         sampling = None
         if seq.id in sched.announce:
             p = seq.request.params
@@ -19,8 +19,8 @@ def step_plan(step: int, sched: Schedule) -> Step:
                                 seed=seq.seed)
         plans.append(SeqPlan(id=seq.id, start=start, n=n,
                              pages_add=sched.new_pages.get(seq.id, []),
-                             sample=start + n == len(seq.token_ids), sampling=sampling))
-        tokens.extend(seq.token_ids[start:start + n])
+                             sample=sample, sampling=sampling, after=after))
+        tokens.extend([0] if after else seq.token_ids[start:start + n])
     return Step(
         step=step, seqs=plans, token_ids=tokens, free=sched.free,
         park=[PageMove(id=m.seq.id, pages=m.pages, slots=m.slots) for m in sched.parks],

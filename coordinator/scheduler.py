@@ -23,6 +23,15 @@ dropped to recompute from its token history instead.
 
 A sequence ends here too: on a stop token or its length (`update_from_output`), or when its
 frontend cancels it (a stop string, a client gone) or its step fails.
+
+**Planning ahead** (`plan_ahead`, for a worker that is the whole pipeline): a sequence whose
+rows in flight end in a sampled token may have its next row planned before that token is back:
+the row's input is then the token the worker drew for it last, on the device
+(`SeqPlan.after`). The engine core keeps several steps in flight this way, so the worker has the
+next step while the device runs this one (docs/overlap-scheduling.md). A row planned past a
+token that ends the sequence (a stop token, which only the result shows) computes for nothing;
+its result is dropped. Nothing is planned past a sequence's length, and a sequence with rows in
+flight is never preempted: one that finds no page waits for its rows to return.
 """
 
 from __future__ import annotations
@@ -56,7 +65,14 @@ class Schedule:
     restores: list[Move] = field(default_factory=list)
     recomputed: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) pages
-    # Set when the step is emitted: what the workers learn with it.
+    # Set when the step is emitted, for each batch entry: where it starts, whether it samples,
+    # whether its input is a token still in flight (planned ahead), and its sequence's epoch (a
+    # result for an older epoch is stale), ...
+    starts: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    after: list[bool] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)
+    # ... and what the workers learn with it.
     new_pages: dict[int, list[int]] = field(default_factory=dict)  # sequence id -> pages added
     announce: set[int] = field(default_factory=set)  # sequences whose sampling goes with it
     free: list[int] = field(default_factory=list)  # sequences the workers forget first
@@ -71,13 +87,17 @@ class StepOutput:
 
     tokens: list[tuple[Sequence, int]] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
+    # rows planned on a token in flight: applied, or computed for nothing (the sequence had
+    # ended by then, or recomputes)
+    ahead_used: int = 0
+    ahead_dropped: int = 0
 
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, park_slots: PageAllocator, page_size: int,
                  max_batch_seqs: int, max_batch_tokens: int, preempt_every: int = 0,
                  prefill_hold: float = 0.0, prefix_cache: PrefixCache | None = None,
-                 lookahead: int = 0):
+                 plan_ahead: bool = False):
         self.allocator = allocator
         self.park_slots = park_slots
         self.page_size = page_size
@@ -86,9 +106,7 @@ class Scheduler:
         self.preempt_every = preempt_every  # test knob: park everyone every K decode steps
         self.prefill_hold = prefill_hold  # seconds new prompts may wait while others decode
         self.cache = prefix_cache  # None: every prompt is computed in full
-        # positions past a decoding sequence's next one given pages while some are free: room
-        # for the steps a worker enqueues before their plans arrive (worker/overlap.py)
-        self.lookahead = lookahead
+        self.plan_ahead = plan_ahead  # plan rows on tokens still in flight
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.parked: deque[Sequence] = deque()  # oldest parked first
@@ -111,7 +129,7 @@ class Scheduler:
 
     def pages_needed(self, seq: Sequence, n: int) -> int:
         """Pages `seq` lacks for `n` more positions (negative: it holds more)."""
-        return pages_for(seq.n_computed + n, self.page_size) - len(seq.pages)
+        return pages_for(seq.next_position + n, self.page_size) - len(seq.pages)
 
     def add_request(self, req: Request) -> None:
         """Queue a request's `n` choices. They compute the prompt once: the first stops before
@@ -162,7 +180,7 @@ class Scheduler:
     def rows(self, seq: Sequence, budget: int) -> int:
         """Rows `seq` runs next: its remaining tokens within the budget, up to a fork point."""
         n = min(seq.n_remaining, budget)
-        return n if seq.fork_at is None else min(n, seq.fork_at - seq.n_computed)
+        return n if seq.fork_at is None else min(n, seq.fork_at - seq.next_position)
 
     def next_step(self) -> Schedule:
         """The next step to send (empty: nothing to send now), with the preemption policy
@@ -189,8 +207,14 @@ class Scheduler:
         return self._emit(out) if out else out
 
     def _emit(self, out: Schedule) -> Schedule:
-        for seq, _ in out.batch:
-            seq.in_flight = True
+        for seq, n in out.batch:
+            samples = n == seq.n_remaining
+            out.starts.append(seq.next_position)
+            out.samples.append(samples)
+            out.after.append(seq.next_position >= len(seq.token_ids))
+            out.epochs.append(seq.epoch)
+            seq.rows_ahead += n
+            seq.tokens_ahead += samples
             if seq.pages_sent < len(seq.pages):
                 out.new_pages[seq.id] = seq.pages[seq.pages_sent:]
                 seq.pages_sent = len(seq.pages)
@@ -211,10 +235,14 @@ class Scheduler:
         self.steps_in_flight -= 1
         sampled = dict(zip(seq_ids, tokens))
         out = StepOutput()
-        for seq, n in sched.batch:
-            seq.in_flight = False
-            if seq.finish_reason is not None:
-                continue
+        for (seq, n), samples, after, epoch in zip(sched.batch, sched.samples, sched.after,
+                                                   sched.epochs):
+            if seq.finish_reason is not None or epoch != seq.epoch:
+                out.ahead_dropped += after
+                continue  # rows planned past its end, or before its KV was dropped
+            out.ahead_used += after
+            seq.rows_ahead -= n
+            seq.tokens_ahead -= samples
             seq.n_computed += n
             if self.cache is not None:
                 self.cache.add(seq)
@@ -254,9 +282,8 @@ class Scheduler:
         none); the rest recompute from their tokens, since how far each stage got is unknown.
         Returns (failed, recomputed); the caller ends the failed ones' requests."""
         self.steps_in_flight -= 1
-        involved = [s for s, _ in sched.batch] + [m.seq for m in sched.parks + sched.restores]
-        for seq in involved:
-            seq.in_flight = False
+        current = [s for (s, _), epoch in zip(sched.batch, sched.epochs) if epoch == s.epoch]
+        involved = current + [m.seq for m in sched.parks + sched.restores]
         failed, recomputed = [], []
         for seq in dict.fromkeys(involved):
             if seq.finish_reason is not None:
@@ -274,8 +301,7 @@ class Scheduler:
         scratch, oldest first. Returns how many were preempted."""
         every = list(self.parked) + self.running
         for seq in sorted(every, key=lambda s: (s.request.arrival, s.id), reverse=True):
-            seq.in_flight = False  # appendleft: the oldest ends up first
-            self.recompute(seq)
+            self.recompute(seq)  # appendleft: the oldest ends up first
         self.to_free = []  # the new workers start with empty page tables
         self.steps_in_flight = 0
         if self.cache is not None:  # and without any KV
@@ -284,20 +310,12 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         """The next batch within the limits: decodes, prompt chunks, restores, new sequences;
-        pages reserved for it, sequences that had to make room preempted; then pages ahead."""
-        out = self._batch()
-        if self.lookahead and not (self.waiting or self.parked):
-            for seq, n in out.batch:
-                if n == 1 and seq.n_remaining == 1:  # it decodes
-                    self._reserve_ahead(seq)
-        return out
-
-    def _batch(self) -> Schedule:
+        pages reserved for it, sequences that had to make room preempted."""
         out = Schedule(copies=self.copies)
         self.copies = []
         self._share_rows(out)
         budget = self.max_batch_tokens
-        ready = [s for s in self.running if not s.in_flight]
+        ready = [s for s in self.running if not s.in_flight or self._follows(s)]
         decoding = [s for s in ready if s.n_remaining == 1]
         for seq in decoding + [s for s in ready if s.n_remaining > 1]:
             if len(out.batch) >= self.max_batch_seqs or budget == 0:
@@ -356,6 +374,13 @@ class Scheduler:
             out.batch.append((seq, n))
             budget -= n
         return out
+
+    def _follows(self, seq: Sequence) -> bool:
+        """Whether a sequence with rows in flight may have its next row planned now: they end
+        in a token it samples, and that token cannot be its last by length."""
+        return (self.plan_ahead and seq.tokens_ahead > 0
+                and seq.n_generated + seq.tokens_ahead < seq.request.params.max_tokens
+                and len(seq.token_ids) + seq.tokens_ahead < self.max_context)
 
     def _cached_run(self, seq: Sequence) -> list[int]:
         """The pages of the prefix cache holding a parked sequence's next full pages, from its
@@ -440,25 +465,12 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         need = self.pages_needed(seq, n)
-        if need <= 0:  # its pages cover it already (most decode steps; pages reserved ahead)
+        if need <= 0:  # its pages cover it already (most decode steps)
             return True
         if not self.allocator.can_allocate(need):
             return False
         seq.pages += self.allocator.allocate(need)
         return True
-
-    def _reserve_ahead(self, seq: Sequence) -> None:
-        """Pages for the `lookahead` positions after a decoding sequence's next one (no further
-        than its length allows), from free pages only, and only while a page stays free for
-        every running sequence: never by evicting a cached prefix. `schedule` asks once the
-        step's batch is made, and only while nothing waits or is parked."""
-        if len(seq.pages) * self.page_size > seq.n_computed + self.lookahead:
-            return  # it holds them already
-        left = min(seq.request.params.max_tokens - seq.n_generated,
-                   self.max_context - len(seq.token_ids))
-        need = self.pages_needed(seq, 1 + min(self.lookahead, left - 1))
-        if 0 < need and need + len(self.running) <= self.allocator.n_unused:
-            seq.pages += self.allocator.allocate(need)
 
     @staticmethod
     def _rank(seq: Sequence) -> tuple:
@@ -485,7 +497,7 @@ class Scheduler:
         shared = 0
         while shared < len(seq.pages) and self.allocator.refs[seq.pages[shared]] > 1:
             shared += 1
-        # pages given ahead hold nothing yet: freed, not parked
+        # pages past its computed rows hold nothing yet: freed, not parked
         held = max(shared, pages_for(seq.n_computed, self.page_size))
         self.allocator.free(seq.pages[held:])
         seq.pages = seq.pages[:held]
@@ -514,7 +526,8 @@ class Scheduler:
         self.allocator.free(seq.pages)
         self.park_slots.free(seq.park_slots)
         seq.pages, seq.park_slots, seq.page_keys = [], [], []
-        seq.n_computed = 0
+        seq.n_computed = seq.rows_ahead = seq.tokens_ahead = 0
+        seq.epoch += 1
         seq.pages_sent = 0
         seq.announced = False
         self.waiting.appendleft(seq)

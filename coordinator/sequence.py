@@ -46,7 +46,11 @@ class Sequence:
     fork_at: int | None = None  # n > 1: stop the prompt here and hand its pages to `children`
     children: list[Sequence] = field(default_factory=list)
     pages_sent: int = 0  # leading entries of `pages` the workers already hold
-    in_flight: bool = False
+    # Of the steps in flight: the rows they hold of it past `n_computed`, and the tokens they
+    # sample for it, which the scheduler may plan its next row on before it knows them.
+    rows_ahead: int = 0
+    tokens_ahead: int = 0
+    epoch: int = 0  # bumped when its KV is dropped: results of steps planned before are stale
     announced: bool = False  # the workers know its sampling parameters
     finish_reason: str | None = None
     preemptions: int = 0
@@ -56,9 +60,18 @@ class Sequence:
         self.n_prompt = len(self.token_ids)
 
     @property
+    def in_flight(self) -> bool:
+        return self.rows_ahead > 0
+
+    @property
+    def next_position(self) -> int:
+        """Where its next row goes: past the rows computed and those in flight."""
+        return self.n_computed + self.rows_ahead
+
+    @property
     def n_remaining(self) -> int:
-        """Rows to compute before the next token can be sampled."""
-        return len(self.token_ids) - self.n_computed
+        """Rows to compute, past those in flight, before the next token can be sampled."""
+        return len(self.token_ids) + self.tokens_ahead - self.next_position
 
     @property
     def n_generated(self) -> int:

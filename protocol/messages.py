@@ -177,16 +177,16 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_PAGES = 1 << 24  # KV pages or park slots of one pool
 KV_MODES = ("device", "host")
 OVERLAP = ("auto", "on", "off")
-# Decode steps an overlapping worker keeps enqueued before their plans arrive (worker/overlap.py);
-# the coordinator gives decoding sequences pages as many positions ahead, while pages are free.
+# Steps the engine core plans ahead of the one a worker that is the whole pipeline runs
+# (worker/overlap.py): beside it, this many more are in flight.
 STEPS_AHEAD = 2
 
 
 def steps_ahead(overlap: str, device: str, kv: str) -> int:
-    """How many decode steps a worker that is the whole pipeline keeps enqueued ahead of its
-    plans (`--overlap`: auto is on for a CUDA device): `STEPS_AHEAD` on a CUDA device with
-    device KV; one on a CPU, where a guess is a whole synchronous step, and with host KV, whose
-    staging ring was measured with one; 0 without overlap."""
+    """How many steps the engine core keeps in flight beside the one a worker that is the whole
+    pipeline runs (`--overlap`: auto is on for a CUDA device): `STEPS_AHEAD` on a CUDA device
+    with device KV; one on a CPU, whose steps are synchronous, and with host KV, whose staging
+    ring was measured with one; 0 without overlap."""
     cuda = str(device).startswith("cuda")
     if overlap == "off" or (overlap == "auto" and not cuda):
         return 0
@@ -307,6 +307,9 @@ class SeqPlan:
     pages_add: list[int] = wire_field([], max_len=MAX_LIST)  # appended to its page table first
     sample: bool = wire_field(False)  # sample a token after the last of the n positions
     sampling: Sampling | None = wire_field(None)  # the first time the worker sees this sequence
+    # its one row's input is the token it sampled in its last step, which the coordinator has
+    # not seen yet: the worker takes it from the device (the plan's token id is a placeholder)
+    after: bool = wire_field(False)
 
 
 @dataclass(slots=True)

@@ -8,7 +8,8 @@ decode and the core 0.25 ms to encode on a 2-core VM (more than a whole H200 dec
 budget); as columns it costs about a tenth. The checks are the same: every id, position and page
 id non-negative, every count in range, the frames exactly as long as the header says.
 
-    frame 0, sequences  int64 [n_seqs, 5]: id, start, n, sample (0 or 1), pages added
+    frame 0, sequences  int64 [n_seqs, 6]: id, start, n, sample (0 or 1), pages added,
+                                           after (0 or 1: its input is the token it last sampled)
     frame 1, pages      int64 [n_pages]: each sequence's added pages, in sequence order
     frame 2, token ids  int64 [n_tokens]: the step's input ids (first stage), in row order
 """
@@ -32,7 +33,7 @@ from .messages import (
 )
 from .schema import from_header, to_header, wire_field
 
-COLUMNS = 5  # id, start, n, sample, pages added
+COLUMNS = 6  # id, start, n, sample, pages added, after
 FRAMES = 3
 _SWAP = sys.byteorder != "little"  # the frames are little-endian
 
@@ -67,7 +68,8 @@ def encode_step(step: Step) -> tuple[dict, list[array]]:
     """`step` -> (its header map, its three frames)."""
     cols, pages, sampling = array("q"), array("q"), []
     for i, s in enumerate(step.seqs):
-        cols.extend((s.id, s.start, s.n, 1 if s.sample else 0, len(s.pages_add)))
+        cols.extend((s.id, s.start, s.n, 1 if s.sample else 0, len(s.pages_add),
+                     1 if s.after else 0))
         pages.extend(s.pages_add)
         if s.sampling is not None:
             sampling.append({"seq": i, "sampling": to_header(s.sampling)})
@@ -102,12 +104,14 @@ def decode_step(fields: Any, frames: list[memoryview]) -> Step:
             raise ProtocolError("STEP: a sequence with no rows")
         if max(cols[3::COLUMNS]) > 1:
             raise ProtocolError("STEP: a sequence's sample flag is neither 0 nor 1")
+        if max(cols[5::COLUMNS]) > 1:
+            raise ProtocolError("STEP: a sequence's after flag is neither 0 nor 1")
         if sum(cols[4::COLUMNS]) != h.n_pages:
             raise ProtocolError("STEP: the sequences' page counts do not add up to its pages")
     seqs, k, row = [], 0, cols.tolist()
     for i in range(0, len(row), COLUMNS):
-        sid, start, n, sample, count = row[i:i + COLUMNS]
-        seqs.append(SeqPlan(sid, start, n, pages[k:k + count], sample == 1, None))
+        sid, start, n, sample, count, after = row[i:i + COLUMNS]
+        seqs.append(SeqPlan(sid, start, n, pages[k:k + count], sample == 1, None, after == 1))
         k += count
     for x in h.sampling:
         if x.seq >= h.n_seqs:

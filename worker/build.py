@@ -48,7 +48,7 @@ class BuiltWorker:
     layers: tuple[int, int]  # [start, end) of the model's layers
     dtype: torch.dtype
     runner: ModelRunner
-    steps_ahead: int  # decode steps enqueued before their plans arrive (worker/overlap.py)
+    steps_ahead: int  # plans taken ahead of the steps before them (worker/overlap.py)
     kv_bytes_per_page: int
 
 

@@ -11,8 +11,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 TRANSFER_PATHS = ("ahead", "ordered", "writeback")
 DECLINE_REASONS = ("budget", "headroom", "unsupported")
-# a step enqueued before its plan arrived: its plan whole, a part of it, or not (worker/overlap.py)
-AHEAD_OUTCOMES = ("used", "partial", "dropped")
+# a step of a worker that takes plans ahead (worker/overlap.py), enqueued while an earlier one
+# still ran, or onto an idle device (the plan came late)
+AHEAD_OUTCOMES = ("queued", "idle")
 # One stage's forward pass: from well under a millisecond (a decode step on a GPU) to seconds
 # (a long prefill chunk on the CPU).
 FORWARD_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
@@ -42,7 +43,8 @@ class WorkerMetrics:
                                          own, buckets=FORWARD_BUCKETS, registry=r)
         self.exact_mode = Gauge("siding_exact_mode", "1 when exact mode is on", own, registry=r)
         self.ahead_steps = Counter("siding_ahead_steps",
-                                   "Decode steps enqueued before their plan arrived, by outcome",
+                                   "Steps enqueued behind a running one (queued) or onto an idle "
+                                   "device (idle)",
                                    [*own, "outcome"], registry=r)
         self.rejected = Counter("siding_rejected_connections",
                                 "Peers refused by CURVE authentication, by socket",
@@ -88,7 +90,7 @@ class WorkerMetrics:
         self._forward.observe(seconds)
 
     def ahead(self, outcome: str) -> None:
-        """A step enqueued ahead of its plan was `used` or `dropped`."""
+        """A step was enqueued behind a running one (`queued`) or onto an idle device."""
         self._ahead[outcome].inc()
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:

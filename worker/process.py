@@ -193,7 +193,10 @@ class Worker:
         while not self.stop.is_set():
             if self.reset_reason is not None:
                 self._start_over(self.reset_reason)
-            events = dict(poller.poll(200))
+            ex = self.executor
+            # With steps on the device, spin: the next plan is enqueued as it comes and each
+            # step's tokens go as they land (worker/overlap.py).
+            events = dict(poller.poll(0 if ex.enqueued else 200))
             if self.ctl in events:
                 msg = self._recv(self.ctl)
                 if isinstance(msg, Step):
@@ -204,9 +207,12 @@ class Worker:
                     return
             if self.pull in events:
                 self._receive_activations()
+            if self.plans:  # tokens first where a later step keeps the device busy
+                ex.answer_landed(keep=1)
             while self.plans and (self.first or self.plans[0].step in self.arrived):
                 plan = self.plans.popleft()
-                self.executor.run(plan, None if self.first else self.arrived.pop(plan.step))
+                ex.run(plan, None if self.first else self.arrived.pop(plan.step))
+            ex.answer_landed()
             self._check_parent()
 
     def _receive_activations(self) -> None:

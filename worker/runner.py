@@ -41,6 +41,9 @@ class ModelRunner:
         self.sampling: dict[int, SamplingParams] = {}
         self.park_seconds = 0.0  # of the last applied plan
         self.head: Head | None = None  # the last forward's, where a graph replay computed it
+        # each sequence's last drawn token, on the device: (the step's tokens, its place there),
+        # the input of a row planned before the coordinator knew it (`SeqPlan.after`)
+        self.drawn: dict[int, tuple[torch.Tensor, int]] = {}
 
     def apply(self, plan: Step) -> BatchMeta:
         """Apply the plan's deltas (free, park, restore, copies, pages) and build the step's
@@ -50,6 +53,7 @@ class ModelRunner:
         for seq_id in plan.free:
             self.tables.pop(seq_id, None)
             self.sampling.pop(seq_id, None)
+            self.drawn.pop(seq_id, None)
             self.park.drop(seq_id)
         t0 = time.perf_counter()
         for m in plan.park:
@@ -73,6 +77,8 @@ class ModelRunner:
                 self.sampling[s.id] = SamplingParams(sp.temperature, sp.top_p, sp.top_k, sp.seed)
             if len(table) * self.pool.page_size < s.start + s.n:
                 raise SequenceFault(s.id, "positions past its pages")
+            if s.after and (s.n != 1 or s.id not in self.drawn or not self.first):
+                raise SequenceFault(s.id, "a row on a token this worker did not draw")
         if self.first and len(plan.token_ids) != sum(s.n for s in plan.seqs):
             raise ProtocolError("token_ids do not match the plan's row count")
         return build_meta(
@@ -110,7 +116,7 @@ class ModelRunner:
         elif tokens is not None:
             inputs = tokens
         else:
-            (inputs,) = device_ints([plan.token_ids], self.device)
+            inputs = self._inputs(plan)
         layer_meta = self.pool.begin_step(meta, [s.id for s in plan.seqs])
         if self.graphs is not None and self.graphs.bucket_rows(meta.n_rows) is not None:
             out = self.graphs.forward(inputs, layer_meta)
@@ -119,6 +125,27 @@ class ModelRunner:
             out = self.stage(inputs, meta.positions, self.pool.layers, layer_meta)
         self.pool.end_step()
         return out
+
+    def _inputs(self, plan: Step) -> torch.Tensor:
+        """The plan's input ids on the device, with the tokens drawn last for its rows planned
+        `after` them in place of their placeholders."""
+        rows, picks, drawn, bases = [], [], [], {}
+        row = 0
+        for s in plan.seqs:
+            if s.after:
+                tokens, k = self.drawn[s.id]
+                if id(tokens) not in bases:  # the steps they come from, one after another
+                    bases[id(tokens)] = sum(t.numel() for t in drawn)
+                    drawn.append(tokens)
+                rows.append(row)
+                picks.append(bases[id(tokens)] + k)
+            row += s.n
+        if not rows:
+            (inputs,) = device_ints([plan.token_ids], self.device)
+            return inputs
+        inputs, rows_t, picks_t = device_ints([plan.token_ids, rows, picks], self.device)
+        inputs[rows_t] = (drawn[0] if len(drawn) == 1 else torch.cat(drawn))[picks_t]
+        return inputs
 
     @torch.inference_mode()
     def draw(self, plan: Step, meta: BatchMeta, hidden: torch.Tensor) -> torch.Tensor:
@@ -131,8 +158,12 @@ class ModelRunner:
         params = [self.sampling.get(s.id, SamplingParams()) for s in sampled]
         positions = [s.start + s.n for s in sampled]
         if head is not None:  # the replay's: the sampled rows' logits, in their order
-            return sample_tokens(head.logits, params, positions, head.greedy)
-        return sample_tokens(self._logits(meta, hidden), params, positions)
+            tokens = sample_tokens(head.logits, params, positions, head.greedy)
+        else:
+            tokens = sample_tokens(self._logits(meta, hidden), params, positions)
+        for k, s in enumerate(sampled):
+            self.drawn[s.id] = (tokens, k)
+        return tokens
 
     def sample(self, plan: Step, meta: BatchMeta, hidden: torch.Tensor) -> tuple[list, list]:
         """Sampled (sequence ids, tokens) for the plan's sequences that sample, read on the

@@ -54,63 +54,97 @@ def test_pages_are_counted_not_tokens():
     assert not s.schedule()  # position 8 needs a third page; the pool has two
 
 
-def test_decoding_sequences_get_pages_ahead_from_free_pages_only():
-    s = Scheduler(PageAllocator(4), PageAllocator(4), 4, 8, 64, lookahead=2)
-    seq = make_seq(0, 6)
-    s.add(seq)
-    finish_step(s.schedule())  # the prompt: positions 0-5, two pages
-    assert len(seq.pages) == 2
-    finish_step(s.schedule())  # decodes position 6, and 7-8 are ahead: a third page
-    assert len(seq.pages) == 3
-    for _ in range(3):  # positions 7-9, ahead up to 11
-        finish_step(s.schedule())
-    assert len(seq.pages) == 3
-    cached = s.allocator.allocate(1)  # the last page comes to hold a cached prefix
-    s.allocator.retain(cached[0])
-    s.allocator.free(cached)
-    finish_step(s.schedule())  # position 10, ahead 11-12: not by evicting the cached page
-    assert len(seq.pages) == 3 and s.allocator.n_unused == 0 and s.allocator.n_free == 1
-    finish_step(s.schedule())  # 11
-    finish_step(s.schedule())  # 12 needs the page: now it is taken
-    assert len(seq.pages) == 4 and s.allocator.evictions == 1
+def ahead_scheduler(pages: int = 16, max_seqs: int = 8) -> Scheduler:
+    s = Scheduler(PageAllocator(pages), PageAllocator(8), 4, max_seqs, 64, plan_ahead=True)
+    s.set_model(frozenset([0]), 1 << 20)
+    return s
 
 
-def test_pages_ahead_leave_a_free_page_for_every_running_sequence():
-    s = Scheduler(PageAllocator(5), PageAllocator(4), 4, 8, 64, lookahead=2)
-    a, b = make_seq(0, 7), make_seq(1, 7)
-    s.add(a)
-    s.add(b)
-    finish_step(s.schedule())  # both prompts: two pages each, one left
-    finish_step(s.schedule())  # both decode position 7; 8-9 ahead would take the last page
-    assert len(a.pages) == len(b.pages) == 2 and s.allocator.n_unused == 1
+def request_of(i: int, prompt_len: int, **params) -> Request:
+    return Request(frontend=0, key=i, params=Submit(key=i, **params),
+                   prompt_ids=list(range(1, prompt_len + 1)), arrival=float(i))
 
 
-def test_no_page_is_given_ahead_while_a_prompt_waits_and_parking_frees_those_given():
-    s = Scheduler(PageAllocator(8), PageAllocator(8), 4, 1, 64, lookahead=2)  # one row a step
-    a, b = make_seq(0, 7), make_seq(1, 7)
-    s.add(a)
-    finish_step(s.schedule())
-    finish_step(s.schedule())  # a decodes position 7, and 8-9 are ahead: a third page
-    assert len(a.pages) == 3
-    out = Schedule()
-    s.preempt(a, out)  # 8 positions computed: two pages parked, the one ahead freed
-    assert [len(m.pages) for m in out.parks] == [2] and s.allocator.n_unused == 8
-    s.add(b)
-    finish_step(s.schedule())  # a comes back first (restores go before admissions), decodes 8
-    assert len(a.pages) == 3 and s.waiting
-    for _ in range(3):  # 9-11; at 11 the positions ahead need a fourth page, but b waits
-        finish_step(s.schedule())
-    assert len(a.pages) == 3 and s.waiting and s.allocator.n_unused == 5
+def rows(sched: Schedule) -> list[tuple[int, int, int, bool]]:
+    """(sequence, start, rows, on a token in flight) of each batch entry."""
+    return [(q.id, start, n, after)
+            for (q, n), start, after in zip(sched.batch, sched.starts, sched.after)]
 
 
-def test_no_page_is_given_ahead_past_a_sequences_length():
-    s = Scheduler(PageAllocator(8), PageAllocator(4), 4, 8, 64, lookahead=2)
-    seq = make_seq(0, 6)
-    seq.request.params.max_tokens = 2  # the token at position 7 is its last
-    s.add(seq)
-    finish_step(s.schedule())
-    finish_step(s.schedule())  # decodes position 6, its last step
-    assert len(seq.pages) == 2
+def test_a_decoding_sequence_is_planned_ahead_on_its_tokens_in_flight():
+    s = ahead_scheduler()
+    req = request_of(0, 3, max_tokens=8)
+    s.add_request(req)
+    seq = req.seqs[0]
+    first, second, third = s.next_step(), s.next_step(), s.next_step()
+    assert rows(first) == [(0, 0, 3, False)]  # the prompt
+    assert rows(second) == [(0, 3, 1, True)] and rows(third) == [(0, 4, 1, True)]
+    assert len(seq.pages) == 2  # position 4 opened its second page
+    s.update_from_output(first, [0], [50])
+    s.update_from_output(second, [0], [51])
+    assert seq.token_ids == [1, 2, 3, 50, 51] and seq.n_computed == 4
+    assert rows(s.next_step()) == [(0, 5, 1, True)]  # on the token of `third`, in flight
+
+
+def test_nothing_is_planned_past_a_sequences_length():
+    s = ahead_scheduler()
+    req = request_of(0, 3, max_tokens=2)
+    s.add_request(req)
+    seq = req.seqs[0]
+    first, second = s.next_step(), s.next_step()
+    assert rows(second) == [(0, 3, 1, True)] and not s.next_step()  # its second token: its last
+    out = s.update_from_output(first, [0], [50])
+    assert out.ahead_used == 0 and not s.next_step()
+    out = s.update_from_output(second, [0], [51])
+    assert out.ahead_used == 1 and seq.finish_reason == "length" and s.allocator.n_used == 0
+
+
+def test_the_rows_planned_past_a_stop_token_are_computed_for_nothing_and_every_page_drains():
+    s = ahead_scheduler()
+    req = request_of(0, 3, max_tokens=8, stop_token_ids=[99])
+    s.add_request(req)
+    steps = [s.next_step(), s.next_step(), s.next_step()]
+    out = s.update_from_output(steps[0], [0], [50])
+    assert out.ahead_used == 0 and not out.finished
+    out = s.update_from_output(steps[1], [0], [99])  # the stop token
+    assert out.finished == req.seqs[0:1] and out.ahead_used == 1
+    out = s.update_from_output(steps[2], [0], [51])  # planned on it: dropped
+    assert out.ahead_dropped == 1 and not out.tokens and req.seqs[0].token_ids[-1] == 99
+    assert s.allocator.n_used == 0 and not s.has_work
+
+
+def test_a_sequence_with_rows_in_flight_is_never_preempted_and_one_without_a_page_waits():
+    s = ahead_scheduler(pages=2, max_seqs=2)
+    a, b = request_of(0, 4, max_tokens=8), request_of(1, 3, max_tokens=8)
+    s.add_request(a)
+    s.add_request(b)
+    first = s.next_step()  # both prompts: a page each
+    assert rows(first) == [(0, 0, 4, False), (1, 0, 3, False)]
+    second = s.next_step()  # a's next position needs a page none has; b's fits its first
+    assert rows(second) == [(1, 3, 1, True)] and not second.parks and not second.recomputed
+    assert s.allocator.n_used == 2
+    s.update_from_output(first, [0, 1], [50, 60])
+    # a is idle and needs a page; b, worse than a, is in flight: not preempted, and b's next
+    # position needs a page too, which a (better) does not give up
+    assert not s.next_step()
+    s.update_from_output(second, [1], [61])
+    fourth = s.next_step()  # b is idle now: parked for a
+    assert [m.seq for m in fourth.parks] == b.seqs and rows(fourth) == [(0, 4, 1, False)]
+
+
+def test_a_failed_step_makes_the_rows_planned_after_it_stale():
+    s = ahead_scheduler()
+    req = request_of(0, 3, max_tokens=8)
+    s.add_request(req)
+    seq = req.seqs[0]
+    first, second = s.next_step(), s.next_step()
+    s.update_from_output(first, [0], [50])
+    third = s.next_step()
+    failed, recomputed = s.fail_step(second, [99])  # another sequence at fault: it recomputes
+    assert recomputed == [seq] and seq.n_computed == 0 and not seq.in_flight
+    out = s.update_from_output(third, [0], [52])  # planned on the failed step's token
+    assert out.ahead_dropped == 1 and seq.token_ids == [1, 2, 3, 50] and seq.n_computed == 0
+    assert rows(s.next_step()) == [(0, 0, 4, False)]  # it recomputes its tokens
 
 
 def test_decodes_go_before_new_prompts_and_respect_max_seqs():
