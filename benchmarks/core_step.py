@@ -131,7 +131,7 @@ def decode_round(streams: int, prompt_len: int, steps: int, seed: int) -> float:
     while scheduler.waiting or any(s.n_remaining > 1 for s in scheduler.running):
         _step(scheduler, requests, step, rng)
         step += 1
-    for _ in range(20):  # every sequence decoding, pages ahead given
+    for _ in range(20):  # every sequence decoding
         _step(scheduler, requests, step, rng)
         step += 1
     t0 = time.process_time()

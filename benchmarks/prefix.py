@@ -8,10 +8,10 @@ against a cluster with the cache and one with `--no-prefix-cache`, the two start
 - **chat**: a conversation of `--turns` turns, each request the whole conversation so far (the
   last reply included) and a new user message, one after another (each turn's TTFT).
 
-A request timed alone is sent `IDLE_PAUSE_S` after the last one ended: a worker runs decode
-steps ahead on guessed tokens (docs/overlap-scheduling.md), so when a stream ends one or two of
-its guessed steps may still be on the device, and a request sent at once would wait for them
-(on llama-8b on an H200, 5-6 ms a step).
+A request timed alone is sent `IDLE_PAUSE_S` after the last one ended: the engine core plans
+steps ahead (docs/overlap-scheduling.md), so when a stream ends on a stop token a row planned
+past it may still be on the device, and a request sent at once would wait for it (on llama-8b on
+an H200, 5-6 ms a step).
 
 Prompts are random token ids of a fixed seed, so both clusters see the same requests.
 """

@@ -63,6 +63,8 @@ class CoordinatorMetrics:
             self.preemptions.labels(action=action)
         for direction in ("out", "in"):
             self.park_bytes.labels(direction=direction)
+        for outcome in ("used", "dropped"):
+            self.ahead_rows.labels(outcome=outcome)
         for reason in FINISH_REASONS:
             self.requests.labels(finish_reason=reason)
         for code in ErrorCode:
