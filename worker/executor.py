@@ -44,6 +44,7 @@ class StepExecutor:
         self.to_coordinator = to_coordinator
         self.to_next = to_next
         self.enqueued: deque[Enqueued] = deque()  # steps whose tokens are not sent yet, in order
+        self.landed_at = 0.0  # perf_counter when the last step answered was seen to land
         self.forward_seconds, self.steps = 0.0, 0  # forward passes so far (the heartbeats)
 
     def run(self, plan: Step, upstream: Activations | tuple[Activations, torch.Tensor] | None
@@ -98,7 +99,8 @@ class StepExecutor:
             self.answer()
 
     def answer(self) -> None:
-        """Send the oldest enqueued step's tokens, waiting for them."""
+        """Send the oldest enqueued step's tokens, waiting for them. Its forward time runs from
+        when it was enqueued or the step before it landed, whichever was later."""
         e = self.enqueued.popleft()
         try:
             tokens = e.copy.read()
@@ -107,7 +109,8 @@ class StepExecutor:
             self.to_coordinator(StepError(step=e.step, code="internal",
                                           message=f"worker {self.rank}: {err}"))
             return
-        self._send_tokens(e.step, e.seq_ids, tokens, e.started, e.park_seconds)
+        started, self.landed_at = max(e.started, self.landed_at), time.perf_counter()
+        self._send_tokens(e.step, e.seq_ids, tokens, started, e.park_seconds)
 
     def _forwarded(self, seconds: float) -> None:
         self.metrics.forward(seconds)

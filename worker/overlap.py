@@ -67,5 +67,5 @@ class Enqueued:
     step: int
     seq_ids: list[int]  # the sequences that sample in it, in order
     copy: TokenCopy
-    started: float  # perf_counter when it was enqueued: its forward time counts from there
+    started: float  # perf_counter when it was enqueued
     park_seconds: float  # its parks and restores
