@@ -169,8 +169,8 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     a("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
       help="run CUDA steps eagerly instead of replaying captured graphs")
     a("--overlap", default="auto", choices=OVERLAP,
-      help="enqueue each decode step on the last one's tokens before they are read (auto: on "
-      "for CUDA devices, where it pays; off on a CPU)")
+      help="plan each step before the tokens of the one before are back; the worker takes "
+      "them from its device (auto: on for CUDA devices, where it pays; off on a CPU)")
     a("--transport-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
     a("--page-size", type=int, default=16, metavar="TOKENS", help="tokens per KV page")
     a("--kv-pages", type=int, default=1024, metavar="N",

@@ -207,9 +207,8 @@ class Worker:
                     return
             if self.pull in events:
                 self._receive_activations()
-            if self.plans:  # tokens first where a later step keeps the device busy
-                ex.answer_landed(keep=1)
             while self.plans and (self.first or self.plans[0].step in self.arrived):
+                ex.answer_landed(keep=1)  # tokens first where a later step keeps the device busy
                 plan = self.plans.popleft()
                 ex.run(plan, None if self.first else self.arrived.pop(plan.step))
             ex.answer_landed()

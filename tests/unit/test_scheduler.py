@@ -65,6 +65,14 @@ def request_of(i: int, prompt_len: int, **params) -> Request:
                    prompt_ids=list(range(1, prompt_len + 1)), arrival=float(i))
 
 
+def one_request(**params) -> tuple[Scheduler, Sequence]:
+    """A scheduler planning ahead with one request of a 3-token prompt queued: its sequence."""
+    s = ahead_scheduler()
+    req = request_of(0, 3, **params)
+    s.add_request(req)
+    return s, req.seqs[0]
+
+
 def rows(sched: Schedule) -> list[tuple[int, int, int, bool]]:
     """(sequence, start, rows, on a token in flight) of each batch entry."""
     return [(q.id, start, n, after)
@@ -72,10 +80,7 @@ def rows(sched: Schedule) -> list[tuple[int, int, int, bool]]:
 
 
 def test_a_decoding_sequence_is_planned_ahead_on_its_tokens_in_flight():
-    s = ahead_scheduler()
-    req = request_of(0, 3, max_tokens=8)
-    s.add_request(req)
-    seq = req.seqs[0]
+    s, seq = one_request(max_tokens=8)
     first, second, third = s.next_step(), s.next_step(), s.next_step()
     assert rows(first) == [(0, 0, 3, False)]  # the prompt
     assert rows(second) == [(0, 3, 1, True)] and rows(third) == [(0, 4, 1, True)]
@@ -87,10 +92,7 @@ def test_a_decoding_sequence_is_planned_ahead_on_its_tokens_in_flight():
 
 
 def test_nothing_is_planned_past_a_sequences_length():
-    s = ahead_scheduler()
-    req = request_of(0, 3, max_tokens=2)
-    s.add_request(req)
-    seq = req.seqs[0]
+    s, seq = one_request(max_tokens=2)
     first, second = s.next_step(), s.next_step()
     assert rows(second) == [(0, 3, 1, True)] and not s.next_step()  # its second token: its last
     out = s.update_from_output(first, [0], [50])
@@ -100,16 +102,14 @@ def test_nothing_is_planned_past_a_sequences_length():
 
 
 def test_the_rows_planned_past_a_stop_token_are_computed_for_nothing_and_every_page_drains():
-    s = ahead_scheduler()
-    req = request_of(0, 3, max_tokens=8, stop_token_ids=[99])
-    s.add_request(req)
+    s, seq = one_request(max_tokens=8, stop_token_ids=[99])
     steps = [s.next_step(), s.next_step(), s.next_step()]
     out = s.update_from_output(steps[0], [0], [50])
     assert out.ahead_used == 0 and not out.finished
     out = s.update_from_output(steps[1], [0], [99])  # the stop token
-    assert out.finished == req.seqs[0:1] and out.ahead_used == 1
+    assert out.finished == [seq] and out.ahead_used == 1
     out = s.update_from_output(steps[2], [0], [51])  # planned on it: dropped
-    assert out.ahead_dropped == 1 and not out.tokens and req.seqs[0].token_ids[-1] == 99
+    assert out.ahead_dropped == 1 and not out.tokens and seq.token_ids[-1] == 99
     assert s.allocator.n_used == 0 and not s.has_work
 
 
@@ -133,10 +133,7 @@ def test_a_sequence_with_rows_in_flight_is_never_preempted_and_one_without_a_pag
 
 
 def test_a_failed_step_makes_the_rows_planned_after_it_stale():
-    s = ahead_scheduler()
-    req = request_of(0, 3, max_tokens=8)
-    s.add_request(req)
-    seq = req.seqs[0]
+    s, seq = one_request(max_tokens=8)
     first, second = s.next_step(), s.next_step()
     s.update_from_output(first, [0], [50])
     third = s.next_step()
