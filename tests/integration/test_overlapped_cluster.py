@@ -2,15 +2,18 @@
 default): an engine core that plans each sequence's next row on a token still in flight, and a
 worker that takes it from its device, give the same token ids as a layer split, which plans one
 step a stage, with device and host KV, alone and (in exact mode) in a crowd whose batch changes
-every few steps, and a request that ends on a stop token as well; the counts say so."""
+every few steps, and a request that ends on a stop token as well; the counts say so. A pool a
+quarter of the load parks and restores sequences planned ahead and drains, exact tokens kept."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 from helpers.cluster_tokens import CROWD, MODEL, crowd, exact_crowd, outputs, scrape
 
 from coordinator.prometheus_config import free_metrics_port, worker_ports
-from protocol.client import Client
+from protocol import AsyncClient, Client
 
 STOPPED = {"prompt": "The capital of France is", "max_tokens": 8}
 
@@ -61,3 +64,36 @@ def test_steps_planned_ahead_keep_exact_mode_exact_for_a_crowd(launch):
     assert scrape(port)["siding_ahead_rows_total", "used"] >= sum(
         kw["max_tokens"] - 2 for kw in CROWD)
     overlapped.stop()
+
+
+PRESSED = [{"prompt": f"Write a long story about a {animal}.", "max_tokens": 40,
+            **({"temperature": 0.9, "seed": 7} if i % 2 else {})}
+           for i, animal in enumerate(("cat", "dog", "horse", "whale", "fox", "owl"))]
+
+
+def pressed(endpoint: str) -> tuple[list[list[int]], int]:
+    """The PRESSED requests at once: their tokens and how often they were preempted."""
+    async def run():
+        async with AsyncClient(endpoint, timeout=300) as c:
+            return await asyncio.gather(*(c.generate(**kw, ignore_eos=True) for kw in PRESSED))
+
+    done = asyncio.run(run())
+    return [r.token_ids for r in done], sum(r.choices[0].preemptions for r in done)
+
+
+def test_steps_planned_ahead_under_a_full_pool_park_drain_and_keep_exact_tokens(launch):
+    """Six sequences of about 10 + 40 tokens need 6 x 13 pages of 4; the pool holds 24: rows
+    planned ahead meet sequences that cannot grow, parks and restores, and exact mode's tokens
+    stay those of a pool with room for all."""
+    roomy = launch(*MODEL, "--exact", "--workers", "2")
+    expected, _ = pressed(roomy.endpoint)
+    roomy.stop()
+    c = launch(*MODEL, "--exact", "--overlap", "on", "--kv-pages", "24", "--page-size", "4",
+               "--park-pages", "96")
+    tokens, preemptions = pressed(c.endpoint)
+    assert tokens == expected and preemptions > 0
+    with Client(c.endpoint, timeout=30) as client:
+        s = client.status()
+    assert s["pool"]["pages_used"] == 0 and s["park"]["slots_used"] == 0
+    assert s["requests"] == {"running": 0, "waiting": 0, "parked": 0}
+    c.stop()
