@@ -37,6 +37,9 @@ Columns, per concurrency or rate:
   client processes, and the cores it kept busy;
 - others cores: the cores the rest of the machine kept busy meanwhile (/proc/stat's busy time
   less all of the above): on a shared machine, the load that skews the point;
+- step busy: the share of the window the last stage spent in steps (its
+  `siding_forward_seconds`, scraped from its metrics at the window's ends): near 1, the cluster
+  runs as fast as its steps, and the engine core and frontends do not hold the worker back;
 - errors: requests sent in the window that failed or were cut off.
 """
 
@@ -52,13 +55,16 @@ import shlex
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.config import threads_per_worker
 from coordinator.local_cluster import LocalCluster, checkout_env
+from coordinator.prometheus_config import free_metrics_port, worker_ports
 from protocol.messages import SeqPlan, Step
 from worker.attention import choose_attention
 from worker.build import resolve_dtype
@@ -102,11 +108,20 @@ CLIENT_BUSY = 0.7  # cores a client process may keep busy before it may be what 
 OTHERS_BUSY = 0.2  # cores the rest of the machine may keep busy before a point is called skewed
 
 
-def run_point(spec: dict[str, Any], procs: int, core: int, root: str | None = None
-              ) -> dict[str, Any]:
+def forward_seconds(port: int) -> float:
+    """The seconds a worker has spent in steps so far (its metrics on `port`)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text)
+               for s in f.samples if s.name == "siding_forward_seconds_sum")
+
+
+def run_point(spec: dict[str, Any], procs: int, core: int, root: str | None = None,
+              last_stage: int | None = None) -> dict[str, Any]:
     """One concurrency or rate: `procs` client processes (from the checkout `root`, as its
     cluster: a client speaks its own tree's protocol), the CPU of every cluster process and of
-    theirs around the window, and the window's records."""
+    theirs around the window, the last stage's step time in it (its metrics port
+    `last_stage`), and the window's records."""
     shares = []
     for k in range(procs):
         share = dict(spec)
@@ -133,15 +148,18 @@ def run_point(spec: dict[str, Any], procs: int, core: int, root: str | None = No
         time.sleep(max(0.0, t0 - time.monotonic()))
         names = cluster_processes(core) | {p.pid: f"bench client {k}"
                                            for k, p in enumerate(clients)}
+        steps = [] if last_stage is None else [forward_seconds(last_stage)]
         start = read_cpu(names), machine_busy()
         if spec["duration"] is not None:
             t1 = t0 + spec["duration"]
             time.sleep(max(0.0, t1 - time.monotonic()))
             end = read_cpu(names | cluster_processes(core)), machine_busy()
+            steps += [forward_seconds(last_stage)] if steps else []
         for proc in clients:
             expect(proc, "done")
         if spec["duration"] is None:
             end = read_cpu(names | cluster_processes(core)), machine_busy()
+            steps += [forward_seconds(last_stage)] if steps else []
         records = []
         for proc in clients:
             records += json.loads(proc.stdout.read())
@@ -159,6 +177,7 @@ def run_point(spec: dict[str, Any], procs: int, core: int, root: str | None = No
     point["machine_cores"] = (end[1] - start[1]) / (t1 - t0)
     ours = sum(c["cores"] or 0.0 for c in point["cpu"])
     point["others_cores"] = max(0.0, point["machine_cores"] - ours)  # whole ticks: may dip below
+    point["step_busy"] = (steps[1] - steps[0]) / (t1 - t0) if steps else None
     return point | cpu_by_kind(point["cpu"], point["output_tokens"])
 
 
@@ -364,10 +383,12 @@ def main(argv: list[str]) -> None:
     points = []
     idle = {}
     with contextlib.ExitStack() as stack:
-        clusters = {}
+        clusters, last_stage = {}, {}
         for arm, root in arms.items():
+            port = free_metrics_port(a.workers)
+            last_stage[arm] = worker_ports(port, a.workers)[-1]
             args = [*launch, *(["--http", "127.0.0.1:0"] if arm == "siding" and "http" in a.api
-                               else [])]
+                               else []), "--metrics-port", str(port)]
             progress(SCENARIO, f"starting {arm} ({root or 'this tree'}): {' '.join(args)}")
             clusters[arm] = stack.enter_context(LocalCluster(*args, root=root))
             idle[arm] = idle_cores(clusters[arm].proc.pid)
@@ -386,7 +407,7 @@ def main(argv: list[str]) -> None:
                      + (f"{a.duration:g} s" if spec["duration"] else f"{a.requests_per_client} "
                         "requests per client") + f", {procs} client process(es)")
             point = {"arm": label, "api": api, xname: x, "client_procs": procs,
-                     **run_point(spec, procs, cluster.proc.pid, arms[arm])}
+                     **run_point(spec, procs, cluster.proc.pid, arms[arm], last_stage[arm])}
             points.append(point)
             progress(SCENARIO, f"{label}, {xname} {x:g}: {point['output_tps']:.1f} tok/s, "
                      f"{point['requests_per_s']:.2f} req/s, {point['errors']} errors")
@@ -462,8 +483,8 @@ def table(points: list[dict[str, Any]], xname: str) -> str:
 
     headers = ["arm", xname, "in flight", "tok/s", "in-proc tok/s", "of in-proc", "req/s",
                "ttft p50/p99 ms", "itl p50/p99 ms", "e2e p50/p99 s", "core us/tok",
-               "frontend us/tok", "worker us/tok", "non-worker us/tok", "others cores",
-               "errors"]
+               "frontend us/tok", "worker us/tok", "non-worker us/tok", "step busy",
+               "others cores", "errors"]
     rows = [[
         p["arm"], f"{p[xname]:g}", f"{p['mean_in_flight']:.1f}", f"{p['output_tps']:.1f}",
         f"{p['inprocess']['tps']:.1f}" if "inprocess" in p else "-",
@@ -471,6 +492,7 @@ def table(points: list[dict[str, Any]], xname: str) -> str:
         f"{p['requests_per_s']:.2f}", ms(p["ttft_s"]), ms(p["itl_s"], digits=1),
         ms(p["e2e_s"], 1, 2), us(p["core_us_per_token"]), us(p["frontend_us_per_token"]),
         us(p["worker_us_per_token"]), us(p["non_worker_us_per_token"]),
+        "-" if p.get("step_busy") is None else f"{p['step_busy']:.2f}",
         f"{p['others_cores']:.2f}", p["errors"] + p["cut_off"],
     ] for p in points]
     return format_table(headers, rows)
