@@ -24,10 +24,10 @@ dropped to recompute from its token history instead.
 A sequence ends here too: on a stop token or its length (`update_from_output`), or when its
 frontend cancels it (a stop string, a client gone) or its step fails.
 
-**Planning ahead** (`plan_ahead`, for a worker that is the whole pipeline): a sequence whose
-rows in flight end in a sampled token may have its next row planned before that token is back:
-the row's input is then the token the worker drew for it last, on the device
-(`SeqPlan.after`). The engine core keeps several steps in flight this way, so the worker has the
+**Planning ahead** (`plan_ahead`, for a worker that is the whole pipeline): a sequence with rows
+in flight may have its next ones planned before their results are back: its prompt's next
+chunk, or, where its rows in flight end in a sampled token, a row whose input is the token the
+worker drew for it last, on the device (`SeqPlan.after`). The engine core keeps several steps in flight this way, so the worker has the
 next step while the device runs this one (docs/overlap-scheduling.md). A row planned past a
 token that ends the sequence (a stop token, which only the result shows) computes for nothing;
 its result is dropped. Nothing is planned past a sequence's length, and a sequence with rows in
@@ -376,10 +376,15 @@ class Scheduler:
         return out
 
     def _follows(self, seq: Sequence) -> bool:
-        """Whether a sequence with rows in flight may have its next row planned now: they end
-        in a token it samples, and that token cannot be its last by length."""
-        return (self.plan_ahead and seq.tokens_ahead > 0
-                and seq.n_generated + seq.tokens_ahead < seq.request.params.max_tokens
+        """Whether a sequence with rows in flight may have its next rows planned now: its
+        prompt's next chunk (short of a fork point), or a row on the token its rows in flight
+        sample, where that token cannot be its last by length."""
+        if not self.plan_ahead:
+            return False
+        if not seq.tokens_ahead:  # prompt chunks in flight: the next one's tokens are known
+            return seq.n_remaining > 0 and (seq.fork_at is None
+                                            or seq.next_position < seq.fork_at)
+        return (seq.n_generated + seq.tokens_ahead < seq.request.params.max_tokens
                 and len(seq.token_ids) + seq.tokens_ahead < self.max_context)
 
     def _cached_run(self, seq: Sequence) -> list[int]:

@@ -57,8 +57,9 @@ def test_steps_planned_ahead_give_the_tokens_of_plain_ones(launch, reference, kv
 def test_steps_planned_ahead_keep_exact_mode_exact_for_a_crowd(launch):
     expected = exact_crowd(launch)
     port = free_metrics_port(1)
+    # 16 rows a step: the 22- and 39-token prompts' chunks are planned back to back
     overlapped = launch(*MODEL, "--exact", "--kv", "host", "--overlap", "on", "--metrics-port",
-                        str(port))
+                        str(port), "--max-batch-tokens", "16")
     assert crowd(overlapped.endpoint) == expected
     # the batch shrinks as requests end, and new rows join rows planned ahead
     assert scrape(port)["siding_ahead_rows_total", "used"] >= sum(

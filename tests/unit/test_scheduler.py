@@ -346,3 +346,30 @@ def test_rows_are_not_taken_from_a_client_one_ahead_or_of_higher_priority():
     run_tokens(s)
     s.add_request(long_request(10, "b", priority=0))
     assert not any(run_tokens(s).parks for _ in range(3))
+
+
+def test_a_long_prompts_chunks_are_planned_back_to_back_and_its_first_decode_on_the_last():
+    s = Scheduler(PageAllocator(16), PageAllocator(8), 4, 8, 4, plan_ahead=True)  # 4 rows a step
+    s.set_model(frozenset([0]), 1 << 20)
+    req = request_of(0, 10, max_tokens=8)
+    s.add_request(req)
+    steps = [s.next_step() for _ in range(4)]
+    assert [rows(x) for x in steps] == [[(0, 0, 4, False)], [(0, 4, 4, False)],
+                                        [(0, 8, 2, False)], [(0, 10, 1, True)]]
+    assert [x.samples for x in steps] == [[False], [False], [True], [True]]
+    for x, token in zip(steps, [None, None, 50, 51]):
+        s.update_from_output(x, [] if token is None else [0], [] if token is None else [token])
+    assert req.seqs[0].token_ids[10:] == [50, 51] and req.seqs[0].n_computed == 11
+
+
+def test_a_forking_prompt_is_not_planned_past_its_fork_point():
+    s = Scheduler(PageAllocator(16), PageAllocator(8), 4, 8, 4, plan_ahead=True)
+    s.set_model(frozenset([0]), 1 << 20)
+    req = request_of(0, 9, max_tokens=8, n=2)
+    s.add_request(req)
+    first, second = s.next_step(), s.next_step()
+    assert rows(first) == [(0, 0, 4, False)] and rows(second) == [(0, 4, 4, False)]
+    assert not s.next_step()  # position 8 is the choices' own: after the fork
+    s.update_from_output(first, [], [])
+    s.update_from_output(second, [], [])
+    assert [rows(s.next_step())] == [[(0, 8, 1, False), (1, 8, 1, False)]]
