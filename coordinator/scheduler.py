@@ -27,11 +27,12 @@ frontend cancels it (a stop string, a client gone) or its step fails.
 **Planning ahead** (`plan_ahead`, for a worker that is the whole pipeline): a sequence with rows
 in flight may have its next ones planned before their results are back: its prompt's next
 chunk, or, where its rows in flight end in a sampled token, a row whose input is the token the
-worker drew for it last, on the device (`SeqPlan.after`). The engine core keeps several steps in flight this way, so the worker has the
-next step while the device runs this one (docs/overlap-scheduling.md). A row planned past a
-token that ends the sequence (a stop token, which only the result shows) computes for nothing;
-its result is dropped. Nothing is planned past a sequence's length, and a sequence with rows in
-flight is never preempted: one that finds no page waits for its rows to return.
+worker drew for it last, on the device (`SeqPlan.after`). The engine core keeps several steps
+in flight this way, so the worker has the next step while the device runs this one
+(docs/overlap-scheduling.md). A row planned past a token that ends the sequence (a stop token,
+which only the result shows) computes for nothing; its result is dropped. Nothing is planned
+past a sequence's length, and a sequence with rows in flight is never preempted: one that finds
+no page waits for its rows to return.
 """
 
 from __future__ import annotations
