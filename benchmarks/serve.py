@@ -116,8 +116,8 @@ def forward_seconds(port: int) -> float:
                for s in f.samples if s.name == "siding_forward_seconds_sum")
 
 
-def run_point(spec: dict[str, Any], procs: int, core: int, root: str | None = None,
-              last_stage: int | None = None) -> dict[str, Any]:
+def run_point(spec: dict[str, Any], procs: int, core: int, last_stage: int,
+              root: str | None = None) -> dict[str, Any]:
     """One concurrency or rate: `procs` client processes (from the checkout `root`, as its
     cluster: a client speaks its own tree's protocol), the CPU of every cluster process and of
     theirs around the window, the last stage's step time in it (its metrics port
@@ -148,18 +148,19 @@ def run_point(spec: dict[str, Any], procs: int, core: int, root: str | None = No
         time.sleep(max(0.0, t0 - time.monotonic()))
         names = cluster_processes(core) | {p.pid: f"bench client {k}"
                                            for k, p in enumerate(clients)}
-        steps = [] if last_stage is None else [forward_seconds(last_stage)]
-        start = read_cpu(names), machine_busy()
+        def snapshot() -> tuple:  # processes' CPU, the machine's, the last stage's step time
+            return (read_cpu(names | cluster_processes(core)), machine_busy(),
+                    forward_seconds(last_stage))
+
+        start = snapshot()
         if spec["duration"] is not None:
             t1 = t0 + spec["duration"]
             time.sleep(max(0.0, t1 - time.monotonic()))
-            end = read_cpu(names | cluster_processes(core)), machine_busy()
-            steps += [forward_seconds(last_stage)] if steps else []
+            end = snapshot()
         for proc in clients:
             expect(proc, "done")
         if spec["duration"] is None:
-            end = read_cpu(names | cluster_processes(core)), machine_busy()
-            steps += [forward_seconds(last_stage)] if steps else []
+            end = snapshot()
         records = []
         for proc in clients:
             records += json.loads(proc.stdout.read())
@@ -177,7 +178,7 @@ def run_point(spec: dict[str, Any], procs: int, core: int, root: str | None = No
     point["machine_cores"] = (end[1] - start[1]) / (t1 - t0)
     ours = sum(c["cores"] or 0.0 for c in point["cpu"])
     point["others_cores"] = max(0.0, point["machine_cores"] - ours)  # whole ticks: may dip below
-    point["step_busy"] = (steps[1] - steps[0]) / (t1 - t0) if steps else None
+    point["step_busy"] = (end[2] - start[2]) / (t1 - t0)
     return point | cpu_by_kind(point["cpu"], point["output_tokens"])
 
 
@@ -407,7 +408,7 @@ def main(argv: list[str]) -> None:
                      + (f"{a.duration:g} s" if spec["duration"] else f"{a.requests_per_client} "
                         "requests per client") + f", {procs} client process(es)")
             point = {"arm": label, "api": api, xname: x, "client_procs": procs,
-                     **run_point(spec, procs, cluster.proc.pid, arms[arm], last_stage[arm])}
+                     **run_point(spec, procs, cluster.proc.pid, last_stage[arm], arms[arm])}
             points.append(point)
             progress(SCENARIO, f"{label}, {xname} {x:g}: {point['output_tps']:.1f} tok/s, "
                      f"{point['requests_per_s']:.2f} req/s, {point['errors']} errors")
@@ -492,7 +493,7 @@ def table(points: list[dict[str, Any]], xname: str) -> str:
         f"{p['requests_per_s']:.2f}", ms(p["ttft_s"]), ms(p["itl_s"], digits=1),
         ms(p["e2e_s"], 1, 2), us(p["core_us_per_token"]), us(p["frontend_us_per_token"]),
         us(p["worker_us_per_token"]), us(p["non_worker_us_per_token"]),
-        "-" if p.get("step_busy") is None else f"{p['step_busy']:.2f}",
+        f"{p['step_busy']:.2f}",
         f"{p['others_cores']:.2f}", p["errors"] + p["cut_off"],
     ] for p in points]
     return format_table(headers, rows)

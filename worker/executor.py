@@ -79,13 +79,18 @@ class StepExecutor:
                 header = Activations(step=plan.step, dtype=self.dtype_name, shape=list(out.shape))
                 self.to_next(header, [out.view(torch.uint8).numpy()])
         except Exception as e:  # a bad plan or a failed kernel fails this step, not the worker
-            log.exception("step %d failed", plan.step)
             for s in plan.seqs:  # no row may be planned on what it did not draw
                 runner.drawn.pop(s.id, None)
-            culprits = [e.seq_id] if isinstance(e, SequenceFault) else []
-            self.to_coordinator(StepError(step=plan.step, code="internal",
-                                          message=f"worker {self.rank}: {e}", seq_ids=culprits))
+            self._failed(plan.step, e)
             self.forward_failure(plan.step)
+
+    def _failed(self, step: int, e: Exception) -> None:
+        """Tell the coordinator that `step` failed here, naming the sequence at fault if one
+        is."""
+        log.exception("step %d failed", step)
+        culprits = [e.seq_id] if isinstance(e, SequenceFault) else []
+        self.to_coordinator(StepError(step=step, code="internal",
+                                      message=f"worker {self.rank}: {e}", seq_ids=culprits))
 
     def _device_busy(self) -> bool:
         """Whether a step enqueued before is still running, so that the next one queues behind
@@ -105,9 +110,7 @@ class StepExecutor:
         try:
             tokens = e.copy.read()
         except Exception as err:  # a kernel that failed shows here
-            log.exception("step %d failed", e.step)
-            self.to_coordinator(StepError(step=e.step, code="internal",
-                                          message=f"worker {self.rank}: {err}"))
+            self._failed(e.step, err)
             return
         started, self.landed_at = max(e.started, self.landed_at), time.perf_counter()
         self._send_tokens(e.step, e.seq_ids, tokens, started, e.park_seconds)
