@@ -82,11 +82,11 @@ def build(config: WorkerConfig, rank: int, n_workers: int, device: str,
     graphs = None
     if c.cuda_graphs and torch.device(device).type == "cuda":
         try:
-            graphs = StepGraphs(stage, pool, device)
+            graphs = StepGraphs(stage, pool, device, max_rows=c.max_batch_tokens)
         except ValueError as e:
             log.warning("steps run eagerly: %s", e)
         else:
-            graphs.prepare(c.max_batch_tokens)  # no request pays for a capture
+            graphs.prepare()  # no request pays for a capture
     runner = ModelRunner(stage, pool, park, device, graphs)
     return BuiltWorker(source, (start, end), dtype, runner,
                        steps_ahead(c.overlap, device, c.kv), pool.bytes_per_page)

@@ -1,4 +1,4 @@
-"""Steps of up to MAX_ROWS rows replayed from CUDA graphs.
+"""Steps of up to the step budget's rows (at most MAX_ROWS) replayed from CUDA graphs.
 
 Eager PyTorch launches some fifty kernels a layer from Python; at these sizes the GPU finishes
 each one long before the host has issued the next, so a step costs host time, not device time
@@ -21,7 +21,7 @@ takes greedy tokens needs nothing after the replay; one that draws reads the log
 A row is a decode row or one of a prompt chunk's: a sequence's rows are consecutive positions,
 each attending to the keys up to its own (its rows are written before any row attends), in
 blocks of a few positions of one sequence. So decode steps, prompt chunks and mixed steps alike
-are replayed, up to MAX_ROWS rows in all: a short prompt after a cached prefix costs a replay,
+are replayed, up to `max_rows` rows in all: a short prompt after a cached prefix costs a replay,
 not an eager step. Longer steps run eagerly. In exact mode a row's bits are the eager step's
 whatever the step (the kernels are batch-invariant); in default mode a replayed prompt row is
 attended by the split kernel where an eager step uses the flash kernel, so its bits may differ,
@@ -31,8 +31,9 @@ What changes from step to step is data in one fixed buffer (`StepBuffers`), writ
 upload before the replay: positions, each row's table, the attention blocks, the rows that
 sample, each layer's page base (the slot a staging ring gives the layer this step; 0 for device
 pages) and the flat page tables (a host pool's, renumbered into its ring and on the device
-already, copied when they change). Rows are padded up to the bucket (a power of two); a padding
-row writes its K and V into the pool's spare page, attends to nothing and is dropped. The
+already, copied when they change). Rows are padded up to the bucket (a power of two up to
+ROW_STEP rows, then a multiple of it); a padding row writes its K and V into the pool's spare
+page, attends to nothing and is dropped. The
 attention grid spans the bucket's keys (a power of two of 256-key splits), split as the pool's
 attention splits an eager decode step of the same bucket (`PagedAttention.decode_shape`); splits
 past a row's keys exit at once.
@@ -76,7 +77,12 @@ from .model import StageModel
 
 log = logging.getLogger("siding.worker")
 
-MAX_ROWS = 512  # steps with more rows run eagerly: the default step budget (--max-batch-tokens)
+DEFAULT_ROWS = 512  # the graphs' rows when no step budget is given: launch's default budget
+MAX_ROWS = 2048  # at most: steps of more rows run eagerly, their launches a small share of them
+# Row buckets: powers of two up to ROW_STEP, then its multiples. A step's matmuls are bound by
+# compute past a few hundred rows, so padding costs in proportion there: a step of 128 decode
+# rows and a 256-row prompt pads to 384, not 512.
+ROW_STEP = 64
 PREPARED_SPLITS = 8  # graphs built at load: contexts up to 8 splits (2048 keys)
 
 
@@ -302,16 +308,17 @@ class BucketGraph:
 
 
 class StepGraphs:
-    """`StageModel.forward` for steps of up to MAX_ROWS rows over one pool, from captured
-    graphs.
+    """`StageModel.forward` for steps of up to `max_rows` rows over one pool (the step budget,
+    at most MAX_ROWS), from captured graphs.
 
     capture False runs the same pieces eagerly over the same buffers: what the CPU tests
     exercise, and what a CUDA capture replays.
     """
 
     def __init__(self, stage: StageModel, pool: Pool, device: torch.device | str,
-                 capture: bool = True):
+                 capture: bool = True, max_rows: int = DEFAULT_ROWS):
         self.stage = stage
+        self.max_rows = min(max_rows, MAX_ROWS)
         self.kv_pool = pool
         self.device = torch.device(device)
         self.dtype = next(stage.parameters()).dtype
@@ -330,7 +337,8 @@ class StepGraphs:
         # buffer for every graph, outside their memory pool), its greedy tokens in the graph's
         self.logits = None
         if stage.output is not None:
-            self.logits = torch.empty(MAX_ROWS, stage.output.weight.shape[0], dtype=self.dtype,
+            self.logits = torch.empty(self.bucket_rows(self.max_rows),
+                                      stage.output.weight.shape[0], dtype=self.dtype,
                                       device=self.device)
         self.head: Head | None = None  # the last replay's, for its n rows
         self._key: Any = None  # the pool's graph_key the graphs were captured against
@@ -340,26 +348,26 @@ class StepGraphs:
         """The row buckets built so far."""
         return {rows for rows, _, _ in self.graphs}
 
-    @staticmethod
-    def bucket_rows(n: int) -> int | None:
+    def bucket_rows(self, n: int) -> int | None:
         """The padded row count of a step of n rows (decode rows and prompt rows together), or
         None when it runs eagerly."""
-        return 1 << (n - 1).bit_length() if 0 < n <= MAX_ROWS else None
+        if not 0 < n <= self.max_rows:
+            return None
+        return 1 << (n - 1).bit_length() if n <= ROW_STEP else -(-n // ROW_STEP) * ROW_STEP
 
-    def prepare(self, max_rows: int) -> None:
-        """Build what a step of up to `max_rows` rows and PREPARED_SPLITS splits can use,
-        now rather than on the first step that needs it. A pool without buffers yet (a host
-        pool's ring) is captured on its first step."""
+    def prepare(self, max_rows: int | None = None) -> None:
+        """Build what a step of up to `max_rows` rows (all it replays: None) and PREPARED_SPLITS
+        splits can use, now rather than on the first step that needs it. A pool without buffers
+        yet (a host pool's ring) is captured on its first step."""
         if not self._current():
             return
-        top, rows, size = self.bucket_rows(min(max_rows, MAX_ROWS)), 1, self._piece_layers()
-        while rows <= top:
+        top, size = min(max_rows or self.max_rows, self.max_rows), self._piece_layers()
+        for rows in sorted({self.bucket_rows(n) for n in range(1, top + 1)}):
             splits = 1
             while splits <= PREPARED_SPLITS:
                 if (rows, splits, size) not in self.graphs:
                     self._build(rows, splits, size)
                 splits *= 2
-            rows *= 2
 
     def forward(self, inputs: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         """As `StageModel.forward` over the pool's layers, between its begin_step and end_step;

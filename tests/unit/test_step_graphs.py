@@ -10,7 +10,7 @@ from helpers.graph_steps import PAGE, run, runner
 
 from protocol.messages import SeqPlan, Step
 from worker.attention import choose_attention
-from worker.cuda_graphs import MAX_ROWS, StepGraphs
+from worker.cuda_graphs import DEFAULT_ROWS, MAX_ROWS, StepGraphs
 from worker.kv.device_pool import KVPool
 from worker.loaders.synthetic import SyntheticSource
 
@@ -63,14 +63,16 @@ def test_prompt_mixed_and_decode_steps_that_fit_a_bucket_use_the_pieces():
     run(r)
     # the prompts' step (27 rows), the mixed step (10), the decode batches (5, 3, 1, 4, 2)
     assert sorted(r.graphs.buckets) == [1, 2, 4, 8, 16, 32]
-    assert [StepGraphs.bucket_rows(n) for n in (1, 3, 8, 9, MAX_ROWS, MAX_ROWS + 1)] == \
-        [1, 4, 8, 16, MAX_ROWS, None]
+    # powers of two up to 64 rows, then multiples of 64, up to the step budget
+    assert [r.graphs.bucket_rows(n) for n in (1, 3, 8, 9, 64, 65, 129, 384, DEFAULT_ROWS,
+                                              DEFAULT_ROWS + 1)] == \
+        [1, 4, 8, 16, 64, 128, 192, 384, DEFAULT_ROWS, None]
 
 
 def test_a_step_of_more_rows_than_the_largest_bucket_runs_eagerly_with_the_same_bits():
-    pages = -(-(MAX_ROWS + 1) // PAGE)
-    plan = Step(step=0, token_ids=[i % 500 for i in range(MAX_ROWS + 1)], seqs=[
-        SeqPlan(id=1, start=0, n=MAX_ROWS + 1, pages_add=list(range(pages)), sample=True)])
+    pages = -(-(DEFAULT_ROWS + 1) // PAGE)
+    plan = Step(step=0, token_ids=[i % 500 for i in range(DEFAULT_ROWS + 1)], seqs=[
+        SeqPlan(id=1, start=0, n=DEFAULT_ROWS + 1, pages_add=list(range(pages)), sample=True)])
     out = []
     for r in (runner(True, graphs=False, n_pages=pages), runner(True, n_pages=pages)):
         meta = r.apply(plan)
@@ -94,5 +96,17 @@ def test_prepare_builds_every_bucket_a_batch_limit_can_use():
     r = runner(False)
     r.graphs.prepare(20)
     assert sorted(r.graphs.buckets) == [1, 2, 4, 8, 16, 32]
-    r.graphs.prepare(MAX_ROWS * 4)
-    assert max(r.graphs.buckets) == MAX_ROWS
+    r.graphs.prepare(DEFAULT_ROWS * 4)
+    assert max(r.graphs.buckets) == DEFAULT_ROWS
+
+
+def test_a_larger_step_budget_gets_graphs_up_to_it_and_no_further_than_max_rows():
+    graphs = runner(False).graphs
+    for budget, top in ((700, 704), (MAX_ROWS * 2, MAX_ROWS)):
+        wide = StepGraphs(graphs.stage, graphs.kv_pool, "cpu", capture=False, max_rows=budget)
+        assert wide.bucket_rows(min(budget, MAX_ROWS)) == top
+        assert wide.bucket_rows(top + 1) is None
+        assert wide.logits.shape[0] == top
+    wide = StepGraphs(graphs.stage, graphs.kv_pool, "cpu", capture=False, max_rows=700)
+    wide.prepare()
+    assert sorted(wide.buckets) == [1, 2, 4, 8, 16, 32, 64, *range(128, 705, 64)]

@@ -133,7 +133,7 @@ def _sms(device: torch.device) -> int:
 
 
 def decode_split(rows: int, keys: int, kv_heads: int, device: torch.device) -> int:
-    """Keys per split of a decode step of `rows` rows (a bucket: a power of two) over up to
+    """Keys per split of a decode step of `rows` rows (a bucket) over up to
     `keys` keys (a multiple of ATTENTION_SPLIT): halved from ATTENTION_SPLIT while the launch has
     fewer than PROGRAMS_PER_SM programs an SM, down to one tile."""
     split, target = ATTENTION_SPLIT, PROGRAMS_PER_SM * _sms(device)
