@@ -52,6 +52,7 @@ import json
 import os
 import random
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -103,7 +104,8 @@ from .serve_load import poisson_arrivals
 SCENARIO = "serve"
 PAGE_SIZE = 16  # `siding launch`'s default, for sizing --kv-pages and the in-process pool
 START_S = 0.5  # from the go signal to the clients' first requests
-INPROCESS_WARMUP = 4  # untimed decode steps before the timed ones
+INPROCESS_WARMUP = 4  # untimed decode steps before the timed ones (graphs captured there)
+INPROCESS_ROUNDS = 3  # rounds of --inprocess-steps timed steps; the ceiling is their median
 CLIENT_BUSY = 0.7  # cores a client process may keep busy before it may be what limits the load
 OTHERS_BUSY = 0.2  # cores the rest of the machine may keep busy before a point is called skewed
 
@@ -222,9 +224,12 @@ def summarise(records: list[dict[str, Any]], t0: float, t1: float) -> dict[str, 
 def inprocess_decode(stage: StageModel, batch: int, context: int, steps: int, dtype: torch.dtype,
                      device: torch.device, cuda_graphs: bool) -> dict[str, Any]:
     """Decode steps of `batch` sequences at `context`, as the worker runs them: a ModelRunner
-    over device KV (zeros: the values do not change a step's time), graphs on CUDA."""
+    over device KV (zeros: the values do not change a step's time), graphs on CUDA. Each step
+    waits for its tokens; the rate is the median of INPROCESS_ROUNDS rounds of `steps` steps
+    (a round of a few dozen steps moved by a quarter from one bench process to the next)."""
     a = stage.args
-    per_seq = -(-(context + INPROCESS_WARMUP + steps) // PAGE_SIZE)
+    total = INPROCESS_WARMUP + INPROCESS_ROUNDS * steps
+    per_seq = -(-(context + total) // PAGE_SIZE)
     pool = KVPool(a.n_layers, batch * per_seq, PAGE_SIZE, a.n_kv_heads, a.head_dim, dtype,
                   device, choose_attention(False, device, a.head_dim))
     graphs = None
@@ -233,27 +238,38 @@ def inprocess_decode(stage: StageModel, batch: int, context: int, steps: int, dt
             graphs = StepGraphs(stage, pool, device)
         except ValueError as e:
             progress(SCENARIO, f"in-process decode runs eagerly: {e}")
-        else:
-            graphs.prepare(batch)
     runner = ModelRunner(stage, pool, ParkStore(pool, 1), device, graphs)
     tokens = [LOWEST_PROMPT_ID % a.vocab_size] * batch
-    for k in range(INPROCESS_WARMUP + steps):
-        if k == INPROCESS_WARMUP:
-            sync(device)
-            t0, busy, mine = time.perf_counter(), machine_busy(), cpu_seconds(os.getpid())
+
+    def decode(runner: ModelRunner, k: int) -> None:
+        nonlocal tokens
         plan = Step(step=k, token_ids=tokens, seqs=[
             SeqPlan(id=i, start=context + k, n=1, sample=True,
                     pages_add=list(range(i * per_seq, (i + 1) * per_seq)) if k == 0 else [])
             for i in range(batch)])
         meta = runner.apply(plan)
         _, tokens = runner.sample(plan, meta, runner.forward(plan, meta, None))
+
+    for k in range(INPROCESS_WARMUP):
+        decode(runner, k)
+    sync(device)
+    t0, busy, mine = time.perf_counter(), machine_busy(), cpu_seconds(os.getpid())
+    rounds = []
+    for r in range(INPROCESS_ROUNDS):
+        start = time.perf_counter()
+        for k in range(steps):
+            decode(runner, INPROCESS_WARMUP + r * steps + k)
+        sync(device)
+        rounds.append(time.perf_counter() - start)
     seconds = time.perf_counter() - t0
     others = machine_busy() - busy - (cpu_seconds(os.getpid()) - mine)
     del runner, graphs, pool
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    rates = sorted(batch * steps / t for t in rounds)
     return {"batch": batch, "context": context, "steps": steps, "seconds": seconds,
-            "tps": batch * steps / seconds, "others_cores": max(0.0, others / seconds)}
+            "rounds_tps": rates, "tps": statistics.median(rates),
+            "others_cores": max(0.0, others / seconds)}
 
 
 # ---- the command --------------------------------------------------------------------------
@@ -311,7 +327,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--client-procs", type=int, default=0,
                    help="client processes (0: 1 up to 64 streams, else min(8, cores/2))")
-    p.add_argument("--inprocess-steps", type=int, default=32)
+    p.add_argument("--inprocess-steps", type=int, default=64,
+                   help="timed in-process decode steps a round (the ceiling: the median of "
+                   f"{INPROCESS_ROUNDS} rounds)")
     p.add_argument("--no-inprocess", dest="inprocess", action="store_false",
                    help="skip the in-process decode ceiling")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
