@@ -86,7 +86,7 @@ def build(config: WorkerConfig, rank: int, n_workers: int, device: str,
         except ValueError as e:
             log.warning("steps run eagerly: %s", e)
         else:
-            graphs.prepare()  # no request pays for a capture
+            graphs.prepare()  # no request of up to PREPARED_ROWS rows pays for a capture
     runner = ModelRunner(stage, pool, park, device, graphs)
     return BuiltWorker(source, (start, end), dtype, runner,
                        steps_ahead(c.overlap, device, c.kv), pool.bytes_per_page)

@@ -78,7 +78,8 @@ from .model import StageModel
 log = logging.getLogger("siding.worker")
 
 DEFAULT_ROWS = 512  # the graphs' rows when no step budget is given: launch's default budget
-MAX_ROWS = 2048  # at most: steps of more rows run eagerly, their launches a small share of them
+PREPARED_ROWS = 512  # row buckets captured at load; larger ones (a larger budget) on first use
+MAX_ROWS = 1024  # at most: steps of more rows run eagerly, their launches a small share of them
 # Row buckets: powers of two up to ROW_STEP, then its multiples. A step's matmuls are bound by
 # compute past a few hundred rows, so padding costs in proportion there: a step of 128 decode
 # rows and a 256-row prompt pads to 384, not 512.
@@ -355,13 +356,13 @@ class StepGraphs:
             return None
         return 1 << (n - 1).bit_length() if n <= ROW_STEP else -(-n // ROW_STEP) * ROW_STEP
 
-    def prepare(self, max_rows: int | None = None) -> None:
-        """Build what a step of up to `max_rows` rows (all it replays: None) and PREPARED_SPLITS
-        splits can use, now rather than on the first step that needs it. A pool without buffers
-        yet (a host pool's ring) is captured on its first step."""
+    def prepare(self, max_rows: int = PREPARED_ROWS) -> None:
+        """Build what a step of up to `max_rows` rows and PREPARED_SPLITS splits can use, now
+        rather than on the first step that needs it. A pool without buffers yet (a host pool's
+        ring) is captured on its first step."""
         if not self._current():
             return
-        top, size = min(max_rows or self.max_rows, self.max_rows), self._piece_layers()
+        top, size = min(max_rows, self.max_rows), self._piece_layers()
         for rows in sorted({self.bucket_rows(n) for n in range(1, top + 1)}):
             splits = 1
             while splits <= PREPARED_SPLITS:
