@@ -33,10 +33,9 @@ sample, each layer's page base (the slot a staging ring gives the layer this ste
 pages) and the flat page tables (a host pool's, renumbered into its ring and on the device
 already, copied when they change). Rows are padded up to the bucket (a power of two up to
 ROW_STEP rows, then a multiple of it); a padding row writes its K and V into the pool's spare
-page, attends to nothing and is dropped. The
-attention grid spans the bucket's keys (a power of two of 256-key splits), split as the pool's
-attention splits an eager decode step of the same bucket (`PagedAttention.decode_shape`); splits
-past a row's keys exit at once.
+page, attends to nothing and is dropped. The attention grid spans the bucket's keys (a power of
+two of 256-key splits), split as the pool's attention splits an eager decode step of the same
+bucket (`PagedAttention.decode_shape`); splits past a row's keys exit at once.
 
 With device KV the pieces are one graph: a step is one replay. With host KV the pool's hooks run
 between pieces: before layer l's piece waits for its slot to be delivered, after it records
