@@ -139,6 +139,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*x.shape[:-1], n)
 
 
+@triton.jit
+def _tile_pages(tables_ptr, table, page_base, offs, end, page_size):
+    # the page ids of key positions offs [BLOCK_KV] (0 at and past end)
+    return page_base + tl.load(tables_ptr + table + offs // page_size, mask=offs < end, other=0)
+
+
+@triton.jit
+def _tile_kv(k_ptr, v_ptr, pages, offs, end, kvh, d, stride_kp, stride_ks, stride_kh,
+             page_size):
+    # K and V [BLOCK_KV, D] of key positions offs in pages (zeros at and past end)
+    at = pages.to(tl.int64) * stride_kp + (offs % page_size) * stride_ks + kvh * stride_kh
+    mask = (offs < end)[:, None]
+    return (tl.load(k_ptr + at[:, None] + d[None, :], mask=mask, other=0.0),
+            tl.load(v_ptr + at[:, None] + d[None, :], mask=mask, other=0.0))
+
+
 @triton.jit(do_not_specialize=["max_splits"])
 def _attention_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, base_ptr, blocks_ptr, pos_ptr, m_ptr, l_ptr, o_ptr,
@@ -171,15 +187,23 @@ def _attention_split_kernel(
         acc = tl.zeros((BLOCK_P * REP_P2, D), tl.float32)
         # Tiles past a row's own position are wholly masked for it and leave its state exactly
         # as it was (alpha = 1, p = 0), so a row gets the bits it gets alone in a block of one.
-        for s0 in range(start, tl.minimum(start + SPLIT, last + 1), BLOCK_KV):
-            offs = s0 + tl.arange(0, BLOCK_KV)
-            page = page_base + tl.load(tables_ptr + table + offs // page_size, mask=offs <= last,
-                                  other=0)
-            base = page.to(tl.int64) * stride_kp + (offs % page_size) * stride_ks \
-                + kvh * stride_kh
-            kv_mask = (offs <= last)[:, None]
-            k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # Loads run ahead of the arithmetic, which they do not change: a tile's keys and values
+        # one tile ahead, its page ids two (a decode row's split is a chain of dependent loads
+        # otherwise, 8 tiles in turn).
+        end = tl.minimum(start + SPLIT, last + 1)
+        tile = tl.arange(0, BLOCK_KV)
+        pages = _tile_pages(tables_ptr, table, page_base, start + tile, end, page_size)
+        k_next, v_next = _tile_kv(k_ptr, v_ptr, pages, start + tile, end, kvh, d, stride_kp,
+                                  stride_ks, stride_kh, page_size)
+        pages = _tile_pages(tables_ptr, table, page_base, start + BLOCK_KV + tile, end,
+                            page_size)
+        for s0 in range(start, end, BLOCK_KV):
+            k, v = k_next, v_next
+            offs = s0 + tile
+            k_next, v_next = _tile_kv(k_ptr, v_ptr, pages, offs + BLOCK_KV, end, kvh, d,
+                                      stride_kp, stride_ks, stride_kh, page_size)
+            pages = _tile_pages(tables_ptr, table, page_base, offs + 2 * BLOCK_KV, end,
+                                page_size)
             seen = offs[None, :] <= pos[:, None]  # [rows, BLOCK_KV]
             s = tl.where(seen, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
