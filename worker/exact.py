@@ -18,7 +18,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from .kernels import exact_cpu, triton_kernels
+from .kernels import exact_cpu, triton_module
 from .model import StageModel
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -39,7 +39,7 @@ def apply_exact(stage: StageModel, device: torch.device | str) -> None:
         head_dim = stage.args.head_dim
         if head_dim & (head_dim - 1):
             raise ValueError(f"exact mode on CUDA needs a power-of-two head size, not {head_dim}")
-        linear = _triton().linear
+        linear = _triton("matmul_triton").linear
     else:
         raise ValueError(f"exact mode has kernels for cpu and cuda devices, not {device.type}")
     for m in stage.modules():
@@ -52,12 +52,12 @@ def exact_attention(device: torch.device) -> Callable[..., torch.Tensor]:
     contract): each row's bits independent of the batch, of the chunking of its prompt and of
     where its pages live."""
     if device.type == "cuda":
-        return _triton().paged_attention
+        return _triton("paged_triton").paged_attention
     return exact_cpu.paged_attention
 
 
-def _triton():
-    kernels = triton_kernels()
+def _triton(name: str):
+    kernels = triton_module(name)
     if kernels is None:
         raise ValueError("exact mode on CUDA needs Triton (pip install 'siding[gpu]')")
     return kernels

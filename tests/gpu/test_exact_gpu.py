@@ -34,7 +34,7 @@ from exactness.invariance import (  # noqa: E402
 )
 
 from worker.attention import choose_attention, gather_attention  # noqa: E402
-from worker.kernels import flash_triton, paged_triton, rowwise_triton  # noqa: E402
+from worker.kernels import flash_triton, matmul_triton, paged_triton, rowwise_triton  # noqa: E402
 from worker.model import RMSNorm  # noqa: E402
 
 DEV, DT = "cuda", torch.bfloat16
@@ -52,19 +52,19 @@ def weights(k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_linear_row_alone_equals_row_in_a_launch_of_any_size(k, n):
     x, w = weights(k, n)
-    assert counts_where_row_differs(lambda a: paged_triton.linear(a, w), x, COUNTS) == []
+    assert counts_where_row_differs(lambda a: matmul_triton.linear(a, w), x, COUNTS) == []
 
 
 @pytest.mark.parametrize("k,n", SHAPES[2:4])
 def test_linear_row_keeps_its_bits_at_any_position_of_a_launch(k, n):
     x, w = weights(k, n, seed=1)
     for m in (5, 64, 67, 300):
-        assert positions_where_row_differs(lambda a: paged_triton.linear(a, w), x, m) == []
+        assert positions_where_row_differs(lambda a: matmul_triton.linear(a, w), x, m) == []
 
 
 def test_linear_matches_torch():
     x, w = weights(4096, 6144)
-    torch.testing.assert_close(paged_triton.linear(x[:300], w), x[:300] @ w.T, rtol=2e-2,
+    torch.testing.assert_close(matmul_triton.linear(x[:300], w), x[:300] @ w.T, rtol=2e-2,
                                atol=2e-2)
 
 

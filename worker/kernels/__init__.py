@@ -2,8 +2,9 @@
 batch-invariant kernels) and for CUDA in Triton, each module imported on first use (a CPU-only
 install never needs Triton):
 
-- `paged_triton`: exact mode's batch-invariant matmul and paged attention (`worker/exact.py`, the
-  one place that switches exact mode on), and the row writes every mode's step graphs make;
+- `paged_triton`: exact mode's batch-invariant paged attention (`worker/exact.py`, the one place
+  that switches exact mode on), and the row writes every mode's step graphs make;
+- `matmul_triton`: exact mode's batch-invariant matmul;
 - `flash_triton`: default mode's paged attention (flash attention for prompts, split keys for
   decode steps, through `paged_triton`'s split kernels);
 - `rowwise_triton`: RMSNorm, RoPE, SiLU-and-multiply and the residual add, one launch each, in
@@ -37,6 +38,14 @@ def triton_module(name: str) -> ModuleType | None:
         if e.name != "triton" and not (e.name or "").startswith("triton."):
             raise
         return None
+
+
+@functools.cache
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device: what the split kernels size their grids by."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def triton_kernels() -> ModuleType | None:

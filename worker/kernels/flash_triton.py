@@ -18,14 +18,12 @@ both read the pages in place, through the sequence's page table, with grouped KV
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import ATTENTION_SPLIT, splits_bucket
+from . import ATTENTION_SPLIT, sm_count, splits_bucket
 from . import paged_triton as paged
 
 # (query position, head) rows per program, keys per tile, warps, by head size: the fastest of a
@@ -127,16 +125,11 @@ def flash(q, k_pool, v_pool, meta, scale: float, tiles: tuple[int, int, int] | N
     return out
 
 
-@functools.cache
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def decode_split(rows: int, keys: int, kv_heads: int, device: torch.device) -> int:
     """Keys per split of a decode step of `rows` rows (a bucket) over up to
     `keys` keys (a multiple of ATTENTION_SPLIT): halved from ATTENTION_SPLIT while the launch has
     fewer than PROGRAMS_PER_SM programs an SM, down to one tile."""
-    split, target = ATTENTION_SPLIT, PROGRAMS_PER_SM * _sms(device)
+    split, target = ATTENTION_SPLIT, PROGRAMS_PER_SM * sm_count(device)
     while split > paged.BLOCK_KV and rows * kv_heads * (keys // split) < target:
         split //= 2
     return split
