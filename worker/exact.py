@@ -30,21 +30,27 @@ def apply_exact(stage: StageModel, device: torch.device | str) -> None:
     dtype = next(stage.parameters()).dtype
     if dtype not in DTYPES:
         raise ValueError(f"exact mode supports float32, bfloat16 and float16, not {dtype}")
+    linear = exact_linear(device)
     if device.type == "cpu":
         weights = {m.weight.shape: m.weight for m in stage.modules() if isinstance(m, nn.Linear)}
         for w in weights.values():
             exact_cpu.check_row_invariance(w)
-        linear = exact_cpu.linear
-    elif device.type == "cuda":
-        head_dim = stage.args.head_dim
-        if head_dim & (head_dim - 1):
-            raise ValueError(f"exact mode on CUDA needs a power-of-two head size, not {head_dim}")
-        linear = _triton("matmul_triton").linear
-    else:
-        raise ValueError(f"exact mode has kernels for cpu and cuda devices, not {device.type}")
+    elif stage.args.head_dim & (stage.args.head_dim - 1):
+        raise ValueError(f"exact mode on CUDA needs a power-of-two head size, not "
+                         f"{stage.args.head_dim}")
     for m in stage.modules():
         if isinstance(m, nn.Linear):
             m.forward = partial(linear, weight=m.weight, bias=m.bias)
+
+
+def exact_linear(device: torch.device) -> Callable[..., torch.Tensor]:
+    """Exact mode's `linear(x, weight, bias=None)` on `device`: each row's bits independent of
+    the other rows of the launch."""
+    if device.type == "cuda":
+        return _triton("matmul_triton").linear
+    if device.type == "cpu":
+        return exact_cpu.linear
+    raise ValueError(f"exact mode has kernels for cpu and cuda devices, not {device.type}")
 
 
 def exact_attention(device: torch.device) -> Callable[..., torch.Tensor]:
