@@ -80,14 +80,15 @@ def _sum_splits_kernel(parts_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.c
 
 
 @functools.cache
-def k_splits(n: int, k: int, device: torch.device) -> int:
-    """Splits of K for a weight [n, k]: enough programs to fill the GPU at one row. A property of
-    the weight and the device, never of the row count, so every row sums in the same order."""
+def split_size(n: int, k: int, device: torch.device) -> int:
+    """K positions a split of a weight [n, k] sums (a multiple of BLOCK_K; all of K unsplit):
+    enough splits to fill the GPU at one row. A property of the weight and the device, never of
+    the row count, so every row sums in the same order."""
     sms, tiles = sm_count(device), triton.cdiv(n, SMALL_LAUNCH[0])
-    if 2 * tiles >= sms:  # a launch more (the sum) costs more than it gains
-        return 1
-    count = max(1, min(triton.cdiv(2 * sms, tiles), k // MIN_SPLIT_K))
-    return triton.cdiv(k, triton.cdiv(triton.cdiv(k, count), BLOCK_K) * BLOCK_K)
+    count = 1
+    if 2 * tiles < sms:  # else a launch more (the sum) costs more than it gains
+        count = max(1, min(triton.cdiv(2 * sms, tiles), k // MIN_SPLIT_K))
+    return triton.cdiv(triton.cdiv(k, count), BLOCK_K) * BLOCK_K
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,8 +99,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     weight = weight.contiguous()
     (m, k), n = rows.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    splits = k_splits(n, k, x.device)
-    k_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
+    k_split = split_size(n, k, x.device)
+    splits = triton.cdiv(k, k_split)
     block_n, warps, stages = SMALL_LAUNCH if m <= BLOCK_M else LARGE_LAUNCH
     tiles = triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n)
     spread = splits > 1 and tiles[0] * tiles[1] < sm_count(x.device)
