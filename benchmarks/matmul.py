@@ -161,10 +161,12 @@ def main(argv: list[str]) -> None:
                 torch.cuda.empty_cache()
         identity = {arm: row_identity(fn, layer_shapes(args) + [shapes[-1]], a.rows, dtype,
                                       device) for arm, fn in arms.items()}
-    points = [{"rows": rows, **{f"{arm}_s": Spread.of(samples[arm][rows]) for arm in ARMS},
-               "exact_over_default": ratio(Spread.of(samples["exact"][rows]),
-                                           Spread.of(samples["default"][rows])),
-               **{f"{arm}_samples_s": samples[arm][rows] for arm in ARMS}} for rows in a.rows]
+    points = []
+    for rows in a.rows:
+        spread = {arm: Spread.of(samples[arm][rows]) for arm in ARMS}
+        points.append({"rows": rows, **{f"{arm}_s": spread[arm] for arm in ARMS},
+                       "exact_over_default": ratio(spread["exact"], spread["default"]),
+                       **{f"{arm}_samples_s": samples[arm][rows] for arm in ARMS}})
     record = {
         "scenario": SCENARIO, "command": "siding bench matmul " + " ".join(argv),
         "started": stamp, "machine": machine_info(a.device),
