@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +30,11 @@ from .kernels import triton_kernels, triton_module
 # q: [T, H, D]; K and V pages: [n_pages, page, KVH, D] already holding this step's rows; the
 # step's meta; the softmax scale -> [T, H, D]
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, BatchMeta, float], torch.Tensor]
-# (rows, keys, query heads, KV heads) of a decode step -> keys per split and positions per
-# program of its split attention (`paged_triton.launch`'s split and block_p)
-DecodeShape = Callable[[int, int, int, int], tuple[int, int | None]]
+# (row bucket, keys bucket, query heads, KV heads, head size, device) -> what a captured step of
+# that bucket launches for its attention (`paged_triton.StepAttention`,
+# `flash_triton.StepAttention`): called with (q, K pages, V pages, flat tables, page base,
+# blocks, positions, out, scale), blocks of its `block_rows` positions
+StepAttentionFn = Callable[[int, int, int, int, int, torch.device], Any]
 
 
 @dataclass(frozen=True)
@@ -41,11 +43,11 @@ class PagedAttention:
 
     attend: AttendFn  # what an eager step attends with
     # The Triton kernels (worker/kernels/paged_triton.py) where the device runs them: what a
-    # captured step launches for its attention and its row writes; None: no capture.
+    # captured step writes its rows with; None: no capture.
     kernels: ModuleType | None
-    # How a captured step of a (row bucket, keys bucket) splits its attention: what the
-    # eager attention does for a decode step of that bucket, so both give the same bits
-    decode_shape: DecodeShape | None = None
+    # What a captured step launches for its attention: for a decode step the bits of the eager
+    # attention of the same bucket (in exact mode of any step)
+    step_attention: StepAttentionFn | None = None
 
     def __call__(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                  meta: BatchMeta, scale: float) -> torch.Tensor:
@@ -60,18 +62,12 @@ def choose_attention(exact: bool, device: torch.device | str, head_dim: int) -> 
     if device.type == "cuda" and not head_dim & (head_dim - 1):
         kernels = triton_kernels()
     if exact:
-        return PagedAttention(exact_attention(device), kernels, _exact_decode_shape)
+        return PagedAttention(exact_attention(device), kernels,
+                              kernels.StepAttention if kernels else None)
     if kernels is None:
         return PagedAttention(gather_attention, None)
     flash = triton_module("flash_triton")
-    return PagedAttention(flash.paged_attention, kernels, partial(flash.decode_shape,
-                                                                  device=device))
-
-
-def _exact_decode_shape(rows: int, keys: int, q_heads: int, kv_heads: int
-                        ) -> tuple[int, int | None]:
-    """Exact mode's splits are a prompt's: a decode row gets the bits it gets in a chunk."""
-    return triton_kernels().SPLIT, None
+    return PagedAttention(flash.paged_attention, kernels, flash.StepAttention)
 
 
 def gather(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:

@@ -33,9 +33,10 @@ sample, each layer's page base (the slot a staging ring gives the layer this ste
 pages) and the flat page tables (a host pool's, renumbered into its ring and on the device
 already, copied when they change). Rows are padded up to the bucket (a power of two up to
 ROW_STEP rows, then a multiple of it); a padding row writes its K and V into the pool's spare
-page, attends to nothing and is dropped. The attention grid spans the bucket's keys (a power of
-two of 256-key splits), split as the pool's attention splits an eager decode step of the same
-bucket (`PagedAttention.decode_shape`); splits past a row's keys exit at once.
+page, attends to nothing and is dropped. The attention is launched as the pool's attention
+launches it for the bucket (`PagedAttention.step_attention`): over the bucket's keys (a power of
+two of 256-key splits), in default mode split as an eager decode step of the same bucket; grid
+programs past a row's keys exit at once.
 
 With device KV the pieces are one graph: a step is one replay. With host KV the pool's hooks run
 between pieces: before layer l's piece waits for its slot to be delivered, after it records
@@ -116,15 +117,12 @@ class StepBuffers:
         self.blocks = blocks.view(rows, 3)
         # captured: the Triton kernels, launched over these buffers; else the pool's eager paths
         self.kernels = pool.attention.kernels if capture else None
-        self.scratch = self.split = self.block_p = None
+        self.attention = None  # what the captured kernels attend with
         self.block_rows = 1  # positions of one sequence an attention block holds
         if self.kernels is not None:
-            keys = splits * ATTENTION_SPLIT
-            self.split, self.block_p = pool.attention.decode_shape(rows, keys, a.n_heads,
-                                                                   a.n_kv_heads)
-            self.block_rows = self.block_p or self.kernels.block_rows(a.n_heads, a.n_kv_heads)
-            self.scratch = self.kernels.split_scratch(rows, a.n_heads, a.head_dim,
-                                                      keys // self.split, device)
+            self.attention = pool.attention.step_attention(
+                rows, splits * ATTENTION_SPLIT, a.n_heads, a.n_kv_heads, a.head_dim, device)
+            self.block_rows = self.attention.block_rows
         self.meta: BatchMeta | None = None  # the step's (for eager pieces' attention)
         self._tables: list[torch.Tensor] | None = None  # the tables `self.tables` holds
         self.write_page = self.write_offset = None  # [layers, rows] and [rows], set by piece 0
@@ -222,9 +220,8 @@ class StepBuffers:
         base = self.bases[layer:layer + 1]
         if self.kernels is not None:
             out = torch.empty_like(q)
-            self.kernels.launch(q, k_pages, v_pages, self.tables, base, self.blocks,
-                                self.attn_positions, self.scratch, out, pool.scale,
-                                self.split, self.block_p)
+            self.attention(q, k_pages, v_pages, self.tables, base, self.blocks,
+                           self.attn_positions, out, pool.scale)
             return out
         # eager pieces: the pool's own attention over the real rows, through the same bases
         meta, n = self.meta, self.meta.n_rows

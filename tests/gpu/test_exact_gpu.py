@@ -98,8 +98,18 @@ def paged(seed: int, page: int = 16) -> PagedSequences:
 
 def test_attention_chunk_rows_equal_rows_attended_alone_across_split_boundaries():
     seqs = paged(0)
-    chunks = split_chunks(paged_triton.SPLIT, LENS[0]) + [range(0, 300)]
+    chunks = split_chunks(paged_triton.TILE, LENS[0]) + [range(0, 300)]
     assert chunks_that_differ_from_rows(paged_triton.paged_attention, seqs, 0, chunks) == []
+
+
+def test_attention_spread_tiles_give_the_bits_of_one_program_walking_them(monkeypatch):
+    seqs = paged(0)
+    rows = [(0, 699, 1), (1, 40, 1), (2, 6, 1), (3, 255, 1), (0, 64, 1), (0, 63, 1)]
+    assert paged_triton.spread(len(rows), 700, 32, 8, 128, torch.device(DEV))
+    spread = seqs.attend(paged_triton.paged_attention, rows)
+    monkeypatch.setattr(paged_triton, "spread", lambda *args: False)
+    walked = seqs.attend(paged_triton.paged_attention, rows)
+    assert all(torch.equal(a, b) for a, b in zip(spread, walked, strict=True))
 
 
 def test_attention_does_not_depend_on_page_placement_or_page_size():

@@ -3,10 +3,11 @@ batch-invariant kernels) and for CUDA in Triton, each module imported on first u
 install never needs Triton):
 
 - `paged_triton`: exact mode's batch-invariant paged attention (`worker/exact.py`, the one place
-  that switches exact mode on), and the row writes every mode's step graphs make;
+  that switches exact mode on), the page reads every paged kernel shares, and the row writes
+  every mode's step graphs make;
 - `matmul_triton`: exact mode's batch-invariant matmul;
 - `flash_triton`: default mode's paged attention (flash attention for prompts, split keys for
-  decode steps, through `paged_triton`'s split kernels);
+  decode steps);
 - `rowwise_triton`: RMSNorm, RoPE, SiLU-and-multiply and the residual add, one launch each, in
   every mode (`worker/model.py`): cheaper than PyTorch's eager kernels and with their bits.
 """
@@ -17,8 +18,9 @@ import functools
 import importlib
 from types import ModuleType
 
-# Key positions per split of the CUDA paged attention (`paged_triton.SPLIT`); the step graphs
-# size their buffers by it without importing Triton.
+# Key positions per split of default mode's decode attention at most (`flash_triton`), and what
+# the step graphs' key buckets are counted in: they size their buffers by it without importing
+# Triton.
 ATTENTION_SPLIT = 256
 
 

@@ -6,14 +6,16 @@ both read the pages in place, through the sequence's page table, with grouped KV
   KV head), its tile rows (position, query head) pairs, so the REP query heads of a KV head share
   each key tile. It walks the keys from the first to its block's last position in BLOCK_N tiles
   with an online softmax in registers, and writes its rows: no partial results in memory, no
-  second kernel (`paged_triton`'s splits write 4(D + 2) bytes per row, head and split, which at
+  second kernel (the decode splits write 4(D + 2) bytes per row, head and split, which at
   16k keys is more than the keys themselves). The heaviest blocks (a prompt's last) start first.
   A whole prompt of WHOLE_PROMPT_ROWS or more (from position 0, so its keys are its own rows) goes
   to PyTorch's fused SDPA instead (`whole_prompt`), which is faster there than this kernel.
-- A decode-only step: `paged_triton`'s split kernels, with splits small enough to fill the GPU
-  (`decode_split`), since a batch of a few rows has only a few (row, KV head) programs otherwise.
-  A captured step (worker/cuda_graphs.py) uses the same split for the same bucket, so it
-  gets the eager step's bits.
+- A decode-only step (`decode`): one program per (block of positions, KV head, split of the
+  keys), each walking its split in BLOCK_KV tiles with an online softmax and writing the split's
+  max, sum and partial output, with splits small enough to fill the GPU (`decode_split`), since
+  a batch of a few rows has only a few (row, KV head) programs otherwise; a second kernel
+  combines a row's splits, COMBINE_CHUNK at a time. A captured step (worker/cuda_graphs.py,
+  `StepAttention`) splits as an eager decode step of its bucket does, so it gets its bits.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ import triton.language as tl
 
 from . import ATTENTION_SPLIT, sm_count, splits_bucket
 from . import paged_triton as paged
+from .paged_triton import tile_kv, tile_pages
 
 # (query position, head) rows per program, keys per tile, warps, by head size: the fastest of a
 # sweep on an H200 at 1 x 16k and 8 x 512 tokens (docs/benchmarks.md)
 TILES = {64: (128, 64, 8), 128: (256, 64, 8)}
 LOG2E = 1.4426950408889634
 PROGRAMS_PER_SM = 4  # what a decode step's split count aims at
+BLOCK_KV = 32  # key positions per tile of a decode split; divides every split
+COMBINE_CHUNK = 32  # splits a combine program loads at once
 WHOLE_PROMPT_ROWS = 2048  # a whole prompt this long goes to `whole_prompt`
 
 
@@ -102,6 +107,97 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, blocks_ptr, pos_ptr, out_ptr,
              out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
+@triton.jit(do_not_specialize=["max_splits"])
+def _attention_split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, base_ptr, blocks_ptr, pos_ptr, m_ptr, l_ptr, o_ptr,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, page_size, max_splits,
+    scale, H: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr, BLOCK_P: tl.constexpr,
+    D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr,
+):
+    # One program: up to BLOCK_P query positions of one sequence (a block) x the REP query heads
+    # of one KV head, over split j of the keys. Tile rows are (position, head) pairs. A block is
+    # (where its sequence's pages start in the flat tables, first row, rows); a page id read
+    # there is offset by *base_ptr (the layer's slot in a staging ring, else 0).
+    qb, kvh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    table = tl.load(blocks_ptr + 3 * qb)
+    page_base = tl.load(base_ptr)
+    row0 = tl.load(blocks_ptr + 3 * qb + 1)
+    n = tl.load(blocks_ptr + 3 * qb + 2)
+    r = tl.arange(0, BLOCK_P * REP_P2)
+    valid = (r // REP_P2 < n) & (r % REP_P2 < REP)
+    t = (row0 + r // REP_P2).to(tl.int64)
+    h = kvh * REP + r % REP_P2
+    pos = tl.load(pos_ptr + t, mask=valid, other=-1)  # row i attends keys [0, pos[i]]
+    last = tl.max(pos, axis=0)
+    start = j * SPLIT
+    if start <= last:
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                    mask=valid[:, None], other=0.0)
+        m_i = tl.full((BLOCK_P * REP_P2,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_P * REP_P2,), tl.float32)
+        acc = tl.zeros((BLOCK_P * REP_P2, D), tl.float32)
+        # loads run ahead of the arithmetic: a tile's keys and values one tile ahead, its page
+        # ids two
+        end = tl.minimum(start + SPLIT, last + 1)
+        tile = tl.arange(0, BLOCK_KV)
+        pages = tile_pages(tables_ptr, table, page_base, start + tile, end, page_size)
+        k_next, v_next = tile_kv(k_ptr, v_ptr, pages, start + tile, end, kvh, d, stride_kp,
+                                 stride_ks, stride_kh, page_size)
+        pages = tile_pages(tables_ptr, table, page_base, start + BLOCK_KV + tile, end,
+                           page_size)
+        for s0 in range(start, end, BLOCK_KV):
+            k, v = k_next, v_next
+            offs = s0 + tile
+            k_next, v_next = tile_kv(k_ptr, v_ptr, pages, offs + BLOCK_KV, end, kvh, d,
+                                     stride_kp, stride_ks, stride_kh, page_size)
+            pages = tile_pages(tables_ptr, table, page_base, offs + 2 * BLOCK_KV, end,
+                               page_size)
+            seen = offs[None, :] <= pos[:, None]  # [rows, BLOCK_KV]
+            s = tl.where(seen, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m_i - m_new))
+            p = tl.where(seen, tl.exp(s - m_new[:, None]), 0.0)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        idx = (t * H + h) * max_splits + j
+        keep = valid & (pos >= start)
+        tl.store(m_ptr + idx, m_i, mask=keep)
+        tl.store(l_ptr + idx, l_i, mask=keep)
+        tl.store(o_ptr + idx[:, None] * D + d[None, :], acc, mask=keep[:, None])
+
+
+@triton.jit(do_not_specialize=["max_splits"])
+def _attention_combine_kernel(m_ptr, l_ptr, o_ptr, row_pos_ptr, out_ptr, stride_ot, stride_oh,
+                              max_splits, H: tl.constexpr, D: tl.constexpr,
+                              SPLIT: tl.constexpr, CHUNK: tl.constexpr):
+    # A row's splits, CHUNK at a time in logical order: each chunk's loads are issued together
+    # (split by split, a 4,096-key decode row waited on 2 x 128 loads in turn), and the order of
+    # the sums depends on the row's own split count alone
+    t, h = tl.program_id(0), tl.program_id(1)
+    pos = tl.load(row_pos_ptr + t)  # -1: a padding row (its output is zeros)
+    n = tl.where(pos < 0, 0, pos // SPLIT + 1)  # this row's splits
+    base = (t.to(tl.int64) * H + h) * max_splits
+    d = tl.arange(0, D)
+    c = tl.arange(0, CHUNK)
+    m = tl.full((), float("-inf"), tl.float32)
+    for j in range(0, n, CHUNK):
+        m = tl.maximum(m, tl.max(tl.load(m_ptr + base + j + c, mask=j + c < n,
+                                         other=float("-inf")), axis=0))
+    l_sum = tl.zeros((), tl.float32)
+    acc = tl.zeros((D,), tl.float32)
+    for j in range(0, n, CHUNK):
+        live = j + c < n
+        w = tl.where(live, tl.exp(tl.load(m_ptr + base + j + c, mask=live, other=0.0) - m), 0.0)
+        l_sum += tl.sum(tl.load(l_ptr + base + j + c, mask=live, other=0.0) * w, axis=0)
+        o = tl.load(o_ptr + (base + j + c)[:, None] * D + d[None, :], mask=live[:, None],
+                    other=0.0)
+        acc += tl.sum(o * w[:, None], axis=0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d,
+             tl.where(l_sum > 0, acc / l_sum, 0.0).to(out_ptr.dtype.element_ty))
+
+
 def flash(q, k_pool, v_pool, meta, scale: float, tiles: tuple[int, int, int] | None = None,
           stages: int = 2, skip: set[int] = frozenset()) -> torch.Tensor:
     """Every row of the step but those of the sequences in `skip` (left unwritten): q [T, H, D]
@@ -130,7 +226,7 @@ def decode_split(rows: int, keys: int, kv_heads: int, device: torch.device) -> i
     `keys` keys (a multiple of ATTENTION_SPLIT): halved from ATTENTION_SPLIT while the launch has
     fewer than PROGRAMS_PER_SM programs an SM, down to one tile."""
     split, target = ATTENTION_SPLIT, PROGRAMS_PER_SM * sm_count(device)
-    while split > paged.BLOCK_KV and rows * kv_heads * (keys // split) < target:
+    while split > BLOCK_KV and rows * kv_heads * (keys // split) < target:
         split //= 2
     return split
 
@@ -141,10 +237,72 @@ def decode_block(q_heads: int, kv_heads: int) -> int:
     return max(1, 16 // triton.next_power_of_2(q_heads // kv_heads))
 
 
-def decode_shape(rows: int, keys: int, q_heads: int, kv_heads: int, device: torch.device
-                 ) -> tuple[int, int]:
-    """`worker.attention.DecodeShape`: the split and block of a decode step's attention."""
-    return decode_split(rows, keys, kv_heads, device), decode_block(q_heads, kv_heads)
+def split_scratch(t: int, h: int, d: int, max_splits: int, dev: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-split maxima and sums [T, H, splits] and partial outputs [T, H, splits, D]."""
+    m = torch.empty(t, h, max_splits, dtype=torch.float32, device=dev)
+    return m, torch.empty_like(m), torch.empty(t, h, max_splits, d, dtype=torch.float32,
+                                               device=dev)
+
+
+def decode(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
+    """A decode step's rows, split as a captured step of its bucket splits them
+    (`StepAttention`), so that both give the same bits."""
+    t, h, d = q.shape
+    kvh = k_pool.shape[2]
+    rows = 1 << (meta.n_seqs - 1).bit_length()
+    keys = splits_bucket(max(meta.context_lens)) * ATTENTION_SPLIT
+    split, block_p = decode_split(rows, keys, kvh, q.device), decode_block(h, kvh)
+    blocks, tables = paged.step_blocks(meta, block_p)
+    out = torch.empty_like(q)
+    # one scratch a step, kept on its meta: every layer's launches have its shape and run one
+    # after another on one stream
+    cache = meta.__dict__.setdefault("_split_scratch", {})
+    if (h, d, split) not in cache:
+        cache[h, d, split] = split_scratch(t, h, d, triton.cdiv(max(meta.context_lens), split),
+                                           q.device)
+    scratch = cache[h, d, split]
+    launch_decode(q.contiguous(), k_pool, v_pool, tables, paged.zero_base(q.device), blocks,
+                  meta.positions, scratch, out, scale, split, block_p)
+    return out
+
+
+class StepAttention:
+    """What a captured step of up to `rows` rows over up to `keys` keys launches for its
+    attention (worker/cuda_graphs.py): the split kernels, split as an eager decode step of that
+    bucket (`decode`), whatever the step's rows."""
+
+    def __init__(self, rows: int, keys: int, q_heads: int, kv_heads: int, head_dim: int,
+                 device: torch.device):
+        self.split = decode_split(rows, keys, kv_heads, device)
+        self.block_rows = decode_block(q_heads, kv_heads)
+        self.scratch = split_scratch(rows, q_heads, head_dim, keys // self.split, device)
+
+    def __call__(self, q, k_pool, v_pool, tables, base, blocks, positions, out, scale: float
+                 ) -> None:
+        launch_decode(q, k_pool, v_pool, tables, base, blocks, positions, self.scratch, out,
+                      scale, self.split, self.block_rows)
+
+
+def launch_decode(q, k_pool, v_pool, tables, base, blocks, positions, scratch, out,
+                  scale: float, split: int, block_p: int) -> None:
+    """The split kernels over explicit buffers, each sized by the caller. q, out: [T, H, D];
+    tables: flat page ids, each offset by base [1]; blocks: [n, 3] as `paged.step_blocks`, of
+    block_p positions; positions: [T] (-1: a padding row); scratch: `split_scratch(T, H, D,
+    splits)`, splits of `split` keys (a multiple of BLOCK_KV) covering every key."""
+    t, h, d = q.shape
+    rep = h // k_pool.shape[2]
+    m, l_split, o = scratch
+    max_splits = m.shape[2]
+    _attention_split_kernel[(blocks.shape[0], k_pool.shape[2], max_splits)](
+        q, k_pool, v_pool, tables, base, blocks, positions, m, l_split, o,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        k_pool.shape[1], max_splits, scale, H=h, REP=rep, REP_P2=triton.next_power_of_2(rep),
+        BLOCK_P=block_p, D=d, SPLIT=split, BLOCK_KV=BLOCK_KV,
+    )
+    _attention_combine_kernel[(t, h)](m, l_split, o, positions, out, out.stride(0),
+                                      out.stride(1), max_splits, H=h, D=d, SPLIT=split,
+                                      CHUNK=COMBINE_CHUNK)
 
 
 def whole_prompt(q, k_pool, v_pool, meta, b: int, scale: float) -> torch.Tensor:
@@ -175,7 +333,4 @@ def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
             out[meta.query_starts[b]:meta.query_starts[b + 1]] = whole_prompt(
                 q, k_pool, v_pool, meta, b, scale)
         return out
-    rows = 1 << (meta.n_seqs - 1).bit_length()
-    keys = splits_bucket(max(meta.context_lens)) * ATTENTION_SPLIT
-    split, block_p = decode_shape(rows, keys, q.shape[1], k_pool.shape[2], q.device)
-    return paged.paged_attention(q, k_pool, v_pool, meta, scale, split, block_p)
+    return decode(q, k_pool, v_pool, meta, scale)

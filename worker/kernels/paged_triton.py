@@ -1,18 +1,21 @@
-"""Paged attention for CUDA, in Triton, and the row writes of the step graphs: each row's bits
-depend on that row alone. Exact mode attends with it; default mode decodes with its split
-kernels and writes rows with `write_rows` (its prompts' attention is `flash_triton`'s). The
-per-row elementwise kernels every mode shares (RMSNorm, RoPE, ...) are `rowwise_triton`'s,
-exact mode's matmul `matmul_triton`'s.
+"""Exact mode's paged attention for CUDA, in Triton, the pieces every paged kernel shares, and the
+row writes of the step graphs. Exact mode attends with `paged_attention` here; default mode with
+`flash_triton`'s kernels, which read pages through the same helpers.
 
-- `paged_attention`: one program per (block of query positions of one sequence, KV head, split
-  of SPLIT key positions); its tile rows are (position, query head) pairs, so tensor cores do
-  both products, and a tensor-core row's result depends on that row alone. A program walks the
-  sequence's page table in logical order, BLOCK_KV keys at a time, with an online softmax; a
-  second kernel combines a row's splits, COMBINE_CHUNK at a time in logical order. Tiles and
-  splits are aligned to absolute positions, and tiles past a row's position leave its state
-  exactly unchanged, so neither the query count, the context of the launch, nor the physical
-  pages change a bit: a decode row is a block of one position and gets the bits it gets inside
-  a prompt chunk.
+- `paged_attention`: each row's keys are cut into tiles of TILE positions, aligned to absolute
+  positions; a tile's softmax state (max, sum, unnormalised output) is computed for the row
+  alone, and the states are merged in order, tile 0 first, by one arithmetic (`_merge`). Tile
+  rows are (position, query head) pairs, so tensor cores do both products and a tensor-core
+  row's result depends on that row alone; a tile past a row's position leaves its state exactly
+  as it was. So neither the query count, the context of the launch, the chunking of a prompt nor
+  the physical pages change a bit.
+
+  Where the tiles are computed does not change a bit either, which is what lets a decode step
+  use the GPU: one program per (block of query positions of one sequence, KV head) walks its
+  tiles and merges them as it goes (prompt rows, and every row of a launch with programs
+  enough), or, for a block of one position in a launch of few rows (`spread`), one program per
+  tile writes that tile's state and a second kernel merges a row's states in the same order
+  with the same arithmetic.
 - `write_rows`: a step graph's new K and V rows into their pages, and a host pool's carried
   rows with them, in one launch (a copy: no arithmetic, so no bit to keep).
 
@@ -28,41 +31,69 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ATTENTION_SPLIT
+from . import sm_count
 
-SPLIT = ATTENTION_SPLIT  # key positions per attention split
-BLOCK_KV = 32  # key positions per tile inside a split; divides SPLIT
+TILE = 64  # key positions a row's state is computed over alone, then merged in order
 BLOCK_ROWS = 64  # (query position, head) rows per attention program
-COMBINE_CHUNK = 32  # splits a combine program loads at once
+MERGE_CHUNK = 8  # tile states the merge kernel loads before it merges them
+# Spread where a launch has fewer (block, KV head) programs than SMs / SPREAD_BELOW: on an H200
+# a spread tile costs more than a walked one, so spreading pays only where most SMs would idle
+SPREAD_BELOW = 2
+SPREAD_SCRATCH_BYTES = 64 << 20  # the most the spread tiles' states may take
+# No fused multiply-adds but the written ones: the two kernels that merge must round alike
+NO_FUSION = {"enable_fp_fusion": False}
 
 
 @triton.jit
-def _tile_pages(tables_ptr, table, page_base, offs, end, page_size):
-    # the page ids of key positions offs [BLOCK_KV] (0 at and past end)
+def tile_pages(tables_ptr, table, page_base, offs, end, page_size):
+    # the page ids of key positions offs [n] (0 at and past end)
     return page_base + tl.load(tables_ptr + table + offs // page_size, mask=offs < end, other=0)
 
 
 @triton.jit
-def _tile_kv(k_ptr, v_ptr, pages, offs, end, kvh, d, stride_kp, stride_ks, stride_kh,
-             page_size):
-    # K and V [BLOCK_KV, D] of key positions offs in pages (zeros at and past end)
+def tile_kv(k_ptr, v_ptr, pages, offs, end, kvh, d, stride_kp, stride_ks, stride_kh,
+            page_size):
+    # K and V [n, D] of key positions offs in pages (zeros at and past end)
     at = pages.to(tl.int64) * stride_kp + (offs % page_size) * stride_ks + kvh * stride_kh
     mask = (offs < end)[:, None]
     return (tl.load(k_ptr + at[:, None] + d[None, :], mask=mask, other=0.0),
             tl.load(v_ptr + at[:, None] + d[None, :], mask=mask, other=0.0))
 
 
-@triton.jit(do_not_specialize=["max_splits"])
-def _attention_split_kernel(
+@triton.jit
+def _merge(m_i, l_i, acc, m, l, o, live):
+    # A row's state (max m_i, sum l_i, unnormalised output acc) followed by a tile's (m, l, o),
+    # where live (else the state as it was, bit for bit); a row's first tile is taken as it is.
+    # Both merging kernels run this, so a row's states meet the same roundings in either.
+    first = m_i == float("-inf")
+    m_new = tl.maximum(m_i, m)
+    a = tl.exp(m_i - m_new)
+    b = tl.exp(m - m_new)
+    l_new = tl.where(first, l, tl.fma(l_i, a, l * b))
+    acc_new = tl.where(first[:, None], o, tl.fma(acc, a[:, None], o * b[:, None]))
+    return (tl.where(live, m_new, m_i), tl.where(live, l_new, l_i),
+            tl.where(live[:, None], acc_new, acc))
+
+
+@triton.jit
+def _normalised(l_i, acc):
+    # the output of a row's merged state (zeros where it saw no key: a padding row)
+    return tl.where((l_i > 0)[:, None], acc / l_i[:, None], 0.0)
+
+
+@triton.jit(do_not_specialize=["max_tiles"])
+def _attention_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, base_ptr, blocks_ptr, pos_ptr, m_ptr, l_ptr, o_ptr,
-    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, page_size, max_splits,
-    scale, H: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr, BLOCK_P: tl.constexpr,
-    D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr,
+    out_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
+    page_size, max_tiles, scale, H: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr,
+    BLOCK_P: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, SPREAD: tl.constexpr,
 ):
     # One program: up to BLOCK_P query positions of one sequence (a block) x the REP query heads
-    # of one KV head, over split j of the keys. Tile rows are (position, head) pairs. A block is
-    # (where its sequence's pages start in the flat tables, first row, rows); a page id read
-    # there is offset by *base_ptr (the layer's slot in a staging ring, else 0).
+    # of one KV head; tile rows are (position, head) pairs. A block is (where its sequence's
+    # pages start in the flat tables, first row, rows); a page id read there is offset by
+    # *base_ptr (the layer's slot in a staging ring, else 0). It merges tiles lo .. hi - 1 and
+    # writes the rows' outputs; SPREAD, a block of one position: program_id(2)'s tile alone,
+    # its state into m, l, o ([T, max_tiles, H] (x D)) for `_merge_kernel`.
     qb, kvh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     table = tl.load(blocks_ptr + 3 * qb)
     page_base = tl.load(base_ptr)
@@ -74,76 +105,85 @@ def _attention_split_kernel(
     h = kvh * REP + r % REP_P2
     pos = tl.load(pos_ptr + t, mask=valid, other=-1)  # row i attends keys [0, pos[i]]
     last = tl.max(pos, axis=0)
-    start = j * SPLIT
-    if start <= last:
+    tiles = tl.where(last < 0, 0, last // TILE + 1)
+    spread = SPREAD and n == 1
+    if spread:
+        lo, hi = j, tl.minimum(j + 1, tiles)
+    else:
+        lo, hi = 0, tl.where(j == 0, tiles, 0)
+    if lo < hi:
         d = tl.arange(0, D)
         q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
                     mask=valid[:, None], other=0.0)
         m_i = tl.full((BLOCK_P * REP_P2,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_P * REP_P2,), tl.float32)
         acc = tl.zeros((BLOCK_P * REP_P2, D), tl.float32)
-        # Tiles past a row's own position are wholly masked for it and leave its state exactly
-        # as it was (alpha = 1, p = 0), so a row gets the bits it gets alone in a block of one.
         # Loads run ahead of the arithmetic, which they do not change: a tile's keys and values
-        # one tile ahead, its page ids two (on an H200, 32 decode rows at 2,048 keys: 93 against
-        # 105 us a layer; at one row little, the chain being the arithmetic's).
-        end = tl.minimum(start + SPLIT, last + 1)
-        tile = tl.arange(0, BLOCK_KV)
-        pages = _tile_pages(tables_ptr, table, page_base, start + tile, end, page_size)
-        k_next, v_next = _tile_kv(k_ptr, v_ptr, pages, start + tile, end, kvh, d, stride_kp,
-                                  stride_ks, stride_kh, page_size)
-        pages = _tile_pages(tables_ptr, table, page_base, start + BLOCK_KV + tile, end,
-                            page_size)
-        for s0 in range(start, end, BLOCK_KV):
+        # one tile ahead, its page ids two, none past the program's tiles
+        end = tl.minimum(last + 1, hi * TILE)
+        tile = tl.arange(0, TILE)
+        pages = tile_pages(tables_ptr, table, page_base, lo * TILE + tile, end, page_size)
+        k_next, v_next = tile_kv(k_ptr, v_ptr, pages, lo * TILE + tile, end, kvh, d, stride_kp,
+                                 stride_ks, stride_kh, page_size)
+        pages = tile_pages(tables_ptr, table, page_base, (lo + 1) * TILE + tile, end, page_size)
+        for s0 in range(lo * TILE, hi * TILE, TILE):
             k, v = k_next, v_next
             offs = s0 + tile
-            k_next, v_next = _tile_kv(k_ptr, v_ptr, pages, offs + BLOCK_KV, end, kvh, d,
-                                      stride_kp, stride_ks, stride_kh, page_size)
-            pages = _tile_pages(tables_ptr, table, page_base, offs + 2 * BLOCK_KV, end,
-                                page_size)
-            seen = offs[None, :] <= pos[:, None]  # [rows, BLOCK_KV]
+            k_next, v_next = tile_kv(k_ptr, v_ptr, pages, offs + TILE, end, kvh, d, stride_kp,
+                                     stride_ks, stride_kh, page_size)
+            pages = tile_pages(tables_ptr, table, page_base, offs + 2 * TILE, end, page_size)
+            # the tile's state for each row alone, then merged into the row's
+            seen = offs[None, :] <= pos[:, None]
             s = tl.where(seen, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m_i - m_new))
-            p = tl.where(seen, tl.exp(s - m_new[:, None]), 0.0)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        idx = (t * H + h) * max_splits + j
-        keep = valid & (pos >= start)
-        tl.store(m_ptr + idx, m_i, mask=keep)
-        tl.store(l_ptr + idx, l_i, mask=keep)
-        tl.store(o_ptr + idx[:, None] * D + d[None, :], acc, mask=keep[:, None])
+            m = tl.max(s, axis=1)
+            p = tl.where(seen, tl.exp(s - m[:, None]), 0.0)
+            m_i, l_i, acc = _merge(m_i, l_i, acc, m, tl.sum(p, axis=1),
+                                   tl.dot(p.to(v.dtype), v), pos >= s0)
+        if spread:
+            at = (t * max_tiles + j) * H + h
+            tl.store(m_ptr + at, m_i, mask=valid)
+            tl.store(l_ptr + at, l_i, mask=valid)
+            tl.store(o_ptr + at[:, None] * D + d[None, :], acc, mask=valid[:, None])
+        else:
+            tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
+                     _normalised(l_i, acc).to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
-@triton.jit(do_not_specialize=["max_splits"])
-def _attention_combine_kernel(m_ptr, l_ptr, o_ptr, row_pos_ptr, out_ptr, stride_ot, stride_oh,
-                              max_splits, H: tl.constexpr, D: tl.constexpr,
-                              SPLIT: tl.constexpr, CHUNK: tl.constexpr):
-    # A row's splits, CHUNK at a time in logical order: each chunk's loads are issued together
-    # (split by split, a 4,096-key decode row waited on 2 x 128 loads in turn), and the order of
-    # the sums depends on the row's own split count alone
-    t, h = tl.program_id(0), tl.program_id(1)
-    pos = tl.load(row_pos_ptr + t)  # -1: a padding row (its output is zeros)
-    n = tl.where(pos < 0, 0, pos // SPLIT + 1)  # this row's splits
-    base = (t.to(tl.int64) * H + h) * max_splits
-    d = tl.arange(0, D)
-    c = tl.arange(0, CHUNK)
-    m = tl.full((), float("-inf"), tl.float32)
-    for j in range(0, n, CHUNK):
-        m = tl.maximum(m, tl.max(tl.load(m_ptr + base + j + c, mask=j + c < n,
-                                         other=float("-inf")), axis=0))
-    l_sum = tl.zeros((), tl.float32)
-    acc = tl.zeros((D,), tl.float32)
-    for j in range(0, n, CHUNK):
-        live = j + c < n
-        w = tl.where(live, tl.exp(tl.load(m_ptr + base + j + c, mask=live, other=0.0) - m), 0.0)
-        l_sum += tl.sum(tl.load(l_ptr + base + j + c, mask=live, other=0.0) * w, axis=0)
-        o = tl.load(o_ptr + (base + j + c)[:, None] * D + d[None, :], mask=live[:, None],
-                    other=0.0)
-        acc += tl.sum(o * w[:, None], axis=0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d,
-             tl.where(l_sum > 0, acc / l_sum, 0.0).to(out_ptr.dtype.element_ty))
+@triton.jit(do_not_specialize=["max_tiles"])
+def _merge_kernel(blocks_ptr, pos_ptr, m_ptr, l_ptr, o_ptr, out_ptr, stride_ot, stride_oh,
+                  max_tiles, H: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr,
+                  D: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr):
+    # A spread block's row (one position x the REP query heads of one KV head): its tiles'
+    # states merged in order by `_merge`, as `_attention_kernel` merges them; CHUNK states
+    # loaded before any of them is merged
+    qb, kvh = tl.program_id(0), tl.program_id(1)
+    t = tl.load(blocks_ptr + 3 * qb + 1)
+    n = tl.load(blocks_ptr + 3 * qb + 2)
+    pos = tl.load(pos_ptr + t)
+    if n == 1 and pos >= 0:
+        r = tl.arange(0, REP_P2)
+        h = kvh * REP + r
+        d = tl.arange(0, D)
+        tiles = pos // TILE + 1
+        m_i = tl.full((REP_P2,), float("-inf"), tl.float32)
+        l_i = tl.zeros((REP_P2,), tl.float32)
+        acc = tl.zeros((REP_P2, D), tl.float32)
+        for j0 in range(0, tiles, CHUNK):
+            for i in tl.static_range(CHUNK):
+                live = (r < REP) & (j0 + i < tiles)
+                at = (t.to(tl.int64) * max_tiles + j0 + i) * H + h
+                m_i, l_i, acc = _merge(
+                    m_i, l_i, acc, tl.load(m_ptr + at, mask=live, other=float("-inf")),
+                    tl.load(l_ptr + at, mask=live, other=0.0),
+                    tl.load(o_ptr + at[:, None] * D + d[None, :], mask=live[:, None],
+                            other=0.0), live)
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh + d[None, :],
+                 _normalised(l_i, acc).to(out_ptr.dtype.element_ty), mask=(r < REP)[:, None])
+
+
+def block_rows(q_heads: int, kv_heads: int) -> int:
+    """Query positions per attention program (a decode row is a block of one of them)."""
+    return max(1, BLOCK_ROWS // triton.next_power_of_2(q_heads // kv_heads))
 
 
 def step_blocks(meta, block_p: int, skip: set[int] = frozenset()
@@ -167,75 +207,90 @@ def step_blocks(meta, block_p: int, skip: set[int] = frozenset()
     return cache[key]
 
 
-def _split_scratch(meta, t: int, h: int, d: int, max_splits: int, dev: torch.device
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-split maxima, sums and partial outputs: one set a step, kept on its meta, since every
-    layer's launches have the same shape and run one after another on one stream."""
-    cache = meta.__dict__.setdefault("_exact_scratch", {})
-    key = (t, h, d, max_splits, dev)
-    if key not in cache:
-        cache[key] = split_scratch(t, h, d, max_splits, dev)
-    return cache[key]
+def spread(rows: int, keys: int, q_heads: int, kv_heads: int, head_dim: int,
+           device: torch.device) -> bool:
+    """Whether a launch of up to `rows` rows over up to `keys` keys spreads its one-position
+    blocks' tiles over programs of their own: where its (block, KV head) programs would leave
+    SMs idle, and the tiles' states fit SPREAD_SCRATCH_BYTES. The bits are the same either way."""
+    few = rows * kv_heads * SPREAD_BELOW < sm_count(device)
+    return few and scratch_bytes(rows, keys, q_heads, head_dim) <= SPREAD_SCRATCH_BYTES
 
 
-def split_scratch(t: int, h: int, d: int, max_splits: int, dev: torch.device
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    m = torch.empty(t, h, max_splits, dtype=torch.float32, device=dev)
-    return m, torch.empty_like(m), torch.empty(t, h, max_splits, d, dtype=torch.float32,
-                                               device=dev)
+def scratch_bytes(rows: int, keys: int, q_heads: int, head_dim: int) -> int:
+    return rows * triton.cdiv(keys, TILE) * q_heads * (head_dim + 2) * 4
 
 
-@functools.cache
-def _zero(dev: torch.device) -> torch.Tensor:
-    return torch.zeros(1, dtype=torch.int64, device=dev)
+def tile_states(rows: int, keys: int, q_heads: int, head_dim: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Spread tiles' maxima and sums [rows, tiles, H] and outputs [rows, tiles, H, D]."""
+    m = torch.empty(rows, triton.cdiv(keys, TILE), q_heads, dtype=torch.float32, device=device)
+    return m, torch.empty_like(m), torch.empty(*m.shape, head_dim, dtype=torch.float32,
+                                               device=device)
 
 
-def block_rows(q_heads: int, kv_heads: int) -> int:
-    """Query positions per attention program (a decode row is a block of one of them)."""
-    return max(1, BLOCK_ROWS // triton.next_power_of_2(q_heads // kv_heads))
-
-
-def paged_attention(q, k_pool, v_pool, meta, scale: float, split: int = SPLIT,
-                    block_p: int | None = None) -> torch.Tensor:
-    """`worker.attention.PagedAttention.attend`'s contract; q: [T, H, D], D a power of two.
-    split: keys per split (a multiple of BLOCK_KV); block_p: query positions a program takes
-    (`block_rows`, unless given). Exact mode keeps both at their defaults: a row's bits depend
-    on them."""
+def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
+    """`worker.attention.PagedAttention.attend`'s contract; q: [T, H, D], D a power of two."""
     t, h, d = q.shape
-    q = q.contiguous()
-    block_p = block_p or block_rows(h, k_pool.shape[2])
-    blocks, tables = step_blocks(meta, block_p)
-    max_splits = triton.cdiv(max(meta.context_lens), split)
-    scratch = _split_scratch(meta, t, h, d, max_splits, q.device)
+    kvh = k_pool.shape[2]
     out = torch.empty_like(q)
     if t:
-        launch(q, k_pool, v_pool, tables, _zero(q.device), blocks, meta.positions, scratch,
-               out, scale, split, block_p)
+        blocks, tables = step_blocks(meta, block_rows(h, kvh))
+        keys = max(meta.context_lens)
+        states = None
+        if spread(t, keys, h, kvh, d, q.device):
+            cache = meta.__dict__.setdefault("_tile_states", {})
+            if (h, d) not in cache:
+                cache[h, d] = tile_states(t, keys, h, d, q.device)
+            states = cache[h, d]
+        launch(q.contiguous(), k_pool, v_pool, tables, zero_base(q.device), blocks, meta.positions,
+               states, out, scale)
     return out
 
 
-def launch(q, k_pool, v_pool, tables, base, blocks, positions, scratch, out, scale: float,
-           split: int = SPLIT, block_p: int | None = None) -> None:
-    """The two launches of a paged attention over explicit buffers, each sized by the caller:
-    what a captured step graph replays (worker/cuda_graphs.py). q, out: [T, H, D]; tables:
-    flat page ids, each offset by base [1]; blocks: [n, 3] as `step_blocks`; positions: [T]
-    (-1: a padding row); scratch: `split_scratch(T, H, D, splits)`, splits of `split` keys
-    covering every key; block_p as `paged_attention`'s."""
-    t, h, d = q.shape
-    rep = h // k_pool.shape[2]
-    m, l_split, o = scratch
-    max_splits = m.shape[2]
-    _attention_split_kernel[(blocks.shape[0], k_pool.shape[2], max_splits)](
-        q, k_pool, v_pool, tables, base, blocks, positions, m, l_split, o,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        k_pool.shape[1], max_splits, scale, H=h, REP=rep, REP_P2=triton.next_power_of_2(rep),
-        BLOCK_P=block_p or block_rows(h, k_pool.shape[2]), D=d, SPLIT=split, BLOCK_KV=BLOCK_KV,
-    )
-    _attention_combine_kernel[(t, h)](m, l_split, o, positions, out, out.stride(0),
-                                      out.stride(1), max_splits, H=h, D=d, SPLIT=split,
-                                      CHUNK=COMBINE_CHUNK)
+class StepAttention:
+    """What a captured step of up to `rows` rows over up to `keys` keys launches for its
+    attention (worker/cuda_graphs.py): `launch` over the step's fixed buffers, with tile states
+    of its own where that bucket spreads."""
+
+    def __init__(self, rows: int, keys: int, q_heads: int, kv_heads: int, head_dim: int,
+                 device: torch.device):
+        self.block_rows = block_rows(q_heads, kv_heads)
+        self.states = None
+        if spread(rows, keys, q_heads, kv_heads, head_dim, device):
+            self.states = tile_states(rows, keys, q_heads, head_dim, device)
+
+    def __call__(self, q, k_pool, v_pool, tables, base, blocks, positions, out, scale: float
+                 ) -> None:
+        launch(q, k_pool, v_pool, tables, base, blocks, positions, self.states, out, scale)
 
 
+def launch(q, k_pool, v_pool, tables, base, blocks, positions, states, out, scale: float
+           ) -> None:
+    """The launches of a paged attention over explicit buffers, each sized by the caller. q,
+    out: [T, H, D]; tables: flat page ids, each offset by base [1]; blocks: [n, 3] as
+    `step_blocks`, of `block_rows` positions; positions: [T] (-1: a padding row); states:
+    `tile_states` covering every key to spread one-position blocks' tiles, None not to."""
+    h, d = q.shape[1:]
+    kvh = k_pool.shape[2]
+    rep = h // kvh
+    rep_p2 = triton.next_power_of_2(rep)
+    m, l_tile, o = states if states is not None else (out, out, out)
+    max_tiles = m.shape[1] if states is not None else 1
+    _attention_kernel[(blocks.shape[0], kvh, max_tiles)](
+        q, k_pool, v_pool, tables, base, blocks, positions, m, l_tile, o, out, q.stride(0),
+        q.stride(1), out.stride(0), out.stride(1), k_pool.stride(0), k_pool.stride(1),
+        k_pool.stride(2), k_pool.shape[1], max_tiles, scale, H=h, REP=rep, REP_P2=rep_p2,
+        BLOCK_P=BLOCK_ROWS // rep_p2, D=d, TILE=TILE, SPREAD=states is not None, **NO_FUSION)
+    if states is not None:
+        _merge_kernel[(blocks.shape[0], kvh)](
+            blocks, positions, m, l_tile, o, out, out.stride(0), out.stride(1), max_tiles, H=h,
+            REP=rep, REP_P2=rep_p2, D=d, TILE=TILE, CHUNK=MERGE_CHUNK, **NO_FUSION)
+
+
+@functools.cache
+def zero_base(dev: torch.device) -> torch.Tensor:
+    """The page base of pages in place (not in a staging ring's slot): [1] zeros."""
+    return torch.zeros(1, dtype=torch.int64, device=dev)
 @triton.jit
 def _write_rows_kernel(k_pages, v_pages, k, v, pages, offsets, carry, carry_pages, carry_offsets,
                        s_page, s_off, sk_row, sk_head, sk_dim, sv_row, sv_head, sv_dim, s_kv,
