@@ -164,3 +164,7 @@ class AsyncClient(ClientBase):
                 self._replies.fail_all(ErrorCode.INVALID_REQUEST, self._malformed(e))
                 continue
             self._replies.deliver(msg)
+            # pyzmq resolves a recv at once while messages wait, so without this the reader
+            # would keep the loop until the socket fell quiet, every stream's consumer waiting
+            # (at 32 busy streams on an H200, most tokens reached their consumer at the end)
+            await asyncio.sleep(0)

@@ -43,6 +43,7 @@ class FakeServer:
         self.received: queue.Queue = queue.Queue()
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.linger = 0
+        self._socket.sndhwm = 0  # a script's flood queues, where a ROUTER would drop it
         self.endpoint = f"tcp://127.0.0.1:{self._socket.bind_to_random_port('tcp://127.0.0.1')}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -279,6 +280,46 @@ def test_async_client_routes_32_concurrent_requests_answered_out_of_order(serve)
     assert [(r.token_ids, r.text) for r in completions] == [
         ([i], f"reply to {i}") for i in range(32)
     ]
+
+
+def test_an_async_stream_gets_its_chunk_while_another_stream_floods_the_socket(serve):
+    # A stream's consumer runs as soon as its chunk is read, not once the socket falls quiet:
+    # "quiet"'s chunk comes after `ahead` of the flood's, and the flood goes on until "quiet"
+    # has its chunk, or `flood` chunks
+    ahead, flood, heard, sent = 2_000, 100_000, threading.Event(), []
+
+    def script(msg):
+        if isinstance(msg, Generate) and msg.request_id == "flood":
+            for i in range(flood):
+                if i == ahead:
+                    yield Chunk("quiet", 0, [7], "7")
+                if heard.is_set():
+                    break
+                yield Chunk("flood", 0, [i], "")
+                sent.append(i)
+            yield result("quiet", [7], "7")
+            yield result("flood", [], "")
+
+    server = serve(script)
+
+    async def main():
+        async with AsyncClient(server.endpoint, timeout=60) as c:
+            async def quiet():
+                async for chunk in c.stream("q", request_id="quiet"):
+                    heard.set()
+                    return chunk.token_ids
+
+            first = asyncio.create_task(quiet())
+            await asyncio.sleep(0.1)  # "quiet" sent (the server answers it within "flood")
+            chunks = 0
+            async for _ in c.stream("f", request_id="flood"):
+                chunks += 1
+            return await first, chunks
+
+    tokens, chunks = asyncio.run(main())
+    assert tokens == [7]
+    assert len(sent) < flood, "the quiet stream's consumer ran only once the flood had ended"
+    assert chunks == len(sent)
 
 
 def test_async_stream_status_and_early_close(serve):
