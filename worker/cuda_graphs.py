@@ -15,8 +15,8 @@ bucket, split bucket) and replayed, attention and the new rows' writes included:
                   argmax, the greedy tokens
 
 (captured as one graph each, or several layers' pieces to a graph: below). A step that only
-takes greedy tokens needs nothing after the replay; one that draws reads the logits
-(`Head`).
+takes greedy tokens needs nothing after the replay; one that draws replays a draw graph over
+the logits (`Head`, worker/draw_graphs.py).
 
 A row is a decode row or one of a prompt chunk's: a sequence's rows are consecutive positions,
 each attending to the keys up to its own (its rows are written before any row attends), in
@@ -70,6 +70,7 @@ import torch
 
 from . import cuda_driver
 from .batch import BatchMeta, ints_into
+from .draw_graphs import DrawGraphs
 from .kernels import ATTENTION_SPLIT, splits_bucket
 from .kv.pool import Pool
 from .kv.rows import write_rows
@@ -338,6 +339,8 @@ class StepGraphs:
                                       stage.output.weight.shape[0], dtype=self.dtype,
                                       device=self.device)
         self.head: Head | None = None  # the last replay's, for its n rows
+        # the draws of a replay's sampled rows, over its logits (worker/draw_graphs.py)
+        self.draws = None if self.logits is None else DrawGraphs(self.logits, capture)
         self._key: Any = None  # the pool's graph_key the graphs were captured against
 
     @property

@@ -158,7 +158,7 @@ class ModelRunner:
         params = [self.sampling.get(s.id, SamplingParams()) for s in sampled]
         positions = [s.start + s.n for s in sampled]
         if head is not None:  # the replay's: the sampled rows' logits, in their order
-            tokens = sample_tokens(head.logits, params, positions, head.greedy)
+            tokens = self.graphs.draws.tokens(head.greedy, params, positions)
         else:
             tokens = sample_tokens(self._logits(meta, hidden), params, positions)
         for k, s in enumerate(sampled):

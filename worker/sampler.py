@@ -59,39 +59,90 @@ def uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
+KEEP_ALL = 2.0  # a top-p past any sum of probabilities: no token cut
+
+
+def float_bits(values: list[float]) -> list[int]:
+    """Floats as their float64 bits, int64s: what travels in an int upload."""
+    bits = array("q")
+    bits.frombytes(array("d", values).tobytes())
+    return bits.tolist()
+
+
+_KEEP_ALL_BITS = float_bits([KEEP_ALL])[0]
+
+
+@dataclass(frozen=True)
+class Draws:
+    """What the rows that draw (not greedy) of a step's sampled rows need, as int64 lists for one
+    upload: their indices among the sampled rows, their keys, top-k (0: none) and, as float64
+    bits, temperature and the mass top-p keeps (KEEP_ALL: every token)."""
+
+    rows: list[int]
+    keys: list[int]
+    top_ks: list[int]
+    temperatures: list[int]
+    top_ps: list[int]
+
+    @staticmethod
+    def of(params: list[SamplingParams], positions: list[int], vocab: int) -> Draws:
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        ps = [params[i] for i in rows]
+        return Draws(rows, [draw_seed(p.seed, positions[i]) for p, i in zip(ps, rows)],
+                     [p.top_k if 0 < p.top_k < vocab else 0 for p in ps],
+                     float_bits([p.temperature for p in ps]),
+                     float_bits([p.top_p if p.top_p < 1.0 else KEEP_ALL for p in ps]))
+
+    @property
+    def k_max(self) -> int:
+        """The largest top-k (0: no row's)."""
+        return max(self.top_ks, default=0)
+
+    @property
+    def top_p(self) -> bool:
+        """Whether any row cuts by top-p."""
+        return any(v != _KEEP_ALL_BITS for v in self.top_ps)
+
+    def lists(self) -> list[list[int]]:
+        return [self.rows, self.keys, self.top_ks, self.temperatures, self.top_ps]
+
+
+def draw(logits: torch.Tensor, keys: torch.Tensor, top_ks: torch.Tensor,
+         temperatures: torch.Tensor, top_ps: torch.Tensor, k_max: int, top_p: bool
+         ) -> torch.Tensor:
+    """Each row's draw from its logits [N, vocab] (drawn in float32): keys, top_ks [N] int64,
+    temperatures and top_ps [N] float64 bits in int64, as `Draws`; k_max at least every row's
+    top-k (0: none has one), top_p whether any row's top_p cuts. -> [N] int64. Row by row
+    operations of fixed shapes: a row's token depends on that row's inputs alone, whatever N or
+    k_max, so an eager step and a captured one (`worker/draw_graphs.py`) draw alike."""
+    temperature = temperatures.view(torch.float64).float()
+    x = logits.float() / temperature[:, None]
+    if k_max:
+        kth = torch.topk(x, k_max, dim=-1).values.gather(1, (top_ks.clamp(min=1) - 1)[:, None])
+        x = x.masked_fill((top_ks > 0)[:, None] & (x < kth), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if top_p:
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        mass = top_ps.view(torch.float64).float()[:, None]
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= mass
+        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
+    # exponential race: argmax(p / E), E = -log(U), is a draw from p
+    return (probs / -torch.log(uniforms(keys, logits.shape[1]))).argmax(dim=-1)
+
+
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
                   greedy: torch.Tensor | None = None) -> torch.Tensor:
     """logits: [N, vocab], float32 or the model's dtype (drawn rows are drawn in float32);
     positions[i]: the position the sampled token will occupy; greedy: the logits' argmax where
     it is known already. -> [N] int64 on the logits' device (the host has not waited for it)."""
     tokens = logits.argmax(dim=-1) if greedy is None else greedy.clone()
-    drawn = [i for i, p in enumerate(params) if not p.greedy]
-    if not drawn:
+    d = Draws.of(params, positions, logits.shape[1])
+    if not d.rows:
         return tokens
-    dev, vocab = logits.device, logits.shape[1]
-    ps = [params[i] for i in drawn]
-    # temperature, and the mass top-p keeps (past any sum: none dropped without top-p), as
-    # float64 bits: every per-row value in one upload that does not wait for the device
-    floats = array("q")
-    floats.frombytes(array("d", [v for p in ps for v in (
-        p.temperature, p.top_p if p.top_p < 1.0 else 2.0)]).tobytes())
-    top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in ps]  # 0: no top-k
-    rows, keys, ks, floats = device_ints(
-        [drawn, [draw_seed(p.seed, positions[i]) for p, i in zip(ps, drawn)], top_ks,
-         floats.tolist()], dev)
-    floats = floats.view(torch.float64).float().view(-1, 2)
-    x = logits[rows].float() / floats[:, :1]
-    if k_max := max(top_ks):
-        kth = torch.topk(x, k_max, dim=-1).values.gather(1, (ks.clamp(min=1) - 1)[:, None])
-        x = x.masked_fill((ks > 0)[:, None] & (x < kth), float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if any(p.top_p < 1.0 for p in ps):
-        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= floats[:, 1:]
-        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
-    # exponential race: argmax(p / E), E = -log(U), is a draw from p
-    tokens[rows] = (probs / -torch.log(uniforms(keys, vocab))).argmax(dim=-1)
+    # every per-row value in one upload that does not wait for the device
+    rows, keys, top_ks, temperatures, top_ps = device_ints(d.lists(), logits.device)
+    tokens[rows] = draw(logits[rows], keys, top_ks, temperatures, top_ps, d.k_max, d.top_p)
     return tokens
 
 

@@ -1,7 +1,8 @@
 """Steps replayed from captured CUDA graphs (prompts, a mixed step and decodes), in bfloat16: bit
 for bit the eager forward in exact mode (Triton kernels), and with host KV (transfer stream,
 delayed copies) bit for bit the device pool in both modes, also for a context already in the
-pool whose first step is a captured decode. Skipped without a GPU."""
+pool whose first step is a captured decode; a drawing step's tokens through captured draw
+graphs, the eager step's. Skipped without a GPU."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from helpers.graph_steps import pages_needed, run, runner  # noqa: E402
+from helpers.graph_steps import SAMPLING, pages_needed, run, runner  # noqa: E402
 
 from benchmarks.kv_pipeline import build_arms, parse_args  # noqa: E402
 from worker.loaders import resolve  # noqa: E402
@@ -26,6 +27,16 @@ def test_captured_graphs_match_the_eager_forward_bit_for_bit_in_exact_mode():
     assert sorted(r.graphs.buckets) == [1, 2, 4, 8, 16, 32]  # the prompts and mixed step too
     for (h1, t1), (h2, t2) in zip(eager, graphed, strict=True):
         assert torch.equal(h1, h2) and t1 == t2
+
+
+def test_captured_draw_graphs_draw_the_eager_steps_tokens():
+    pytest.importorskip("triton")
+    eager = run(runner(True, graphs=False, device=DEV, dtype=DT), sampling=SAMPLING)
+    r = runner(True, device=DEV, dtype=DT)
+    graphed = run(r, sampling=SAMPLING)
+    assert [t for _, t in graphed] == [t for _, t in eager]
+    assert all(g.graph is not None for g in r.graphs.draws.graphs.values())
+    assert [t for _, t in graphed] != [t for _, t in run(runner(True, device=DEV, dtype=DT))]
 
 
 @pytest.mark.parametrize("slot_layers", [1, 3])

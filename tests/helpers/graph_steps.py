@@ -14,6 +14,7 @@ from worker.kv.park_store import ParkStore
 from worker.kv.transport import CpuTransport, CudaTransport
 from worker.loaders.synthetic import SyntheticSource
 from worker.runner import ModelRunner
+from worker.sampler import SamplingParams
 
 PAGE = 4
 PROMPTS = {1: 9, 2: 5, 3: 13, 4: 2, 5: 7}  # sequence id -> prompt length
@@ -21,6 +22,12 @@ PROMPTS = {1: 9, 2: 5, 3: 13, 4: 2, 5: 7}  # sequence id -> prompt length
 # then one batch twice (a host pool's second step takes its first layers primed)
 DECODES = [[1, 2, 3, 4, 5], [2, 4, 5], [3], [1, 2, 3, 4], [5, 1], [1, 2, 3, 4, 5],
            [1, 2, 3, 4, 5]]
+# sequence id -> how it samples, for `run(..., sampling=SAMPLING)`: one greedy, the others
+# drawing with a temperature, top-k, top-p and both
+SAMPLING = {1: SamplingParams(temperature=0.8, seed=1), 2: SamplingParams(),
+            3: SamplingParams(temperature=1.2, top_k=20, seed=3),
+            4: SamplingParams(temperature=1.0, top_p=0.9, seed=4),
+            5: SamplingParams(temperature=0.7, top_k=5, top_p=0.8, seed=5)}
 
 
 def schedule(prompts: dict[int, int] = PROMPTS) -> list[Step]:
@@ -56,9 +63,11 @@ def pages_needed(prompts: dict[int, int]) -> int:
     return sum(-(-(n + len(DECODES) + 1) // PAGE) for n in prompts.values())
 
 
-def run(runner: ModelRunner, prompts: dict[int, int] = PROMPTS
-        ) -> list[tuple[torch.Tensor, list[int]]]:
-    """Hidden rows and sampled tokens of every step of `schedule(prompts)`."""
+def run(runner: ModelRunner, prompts: dict[int, int] = PROMPTS,
+        sampling: dict[int, SamplingParams] | None = None) -> list[tuple[torch.Tensor, list[int]]]:
+    """Hidden rows and sampled tokens of every step of `schedule(prompts)`; sampling: how each
+    sequence samples (greedy where not given)."""
+    runner.sampling.update(sampling or {})
     last = {i: 100 + i for i in prompts}
     out = []
     for plan in schedule(prompts):

@@ -1,12 +1,12 @@
 """Steps run in pieces over padded buffers (worker/cuda_graphs.py), here without capture on the
 CPU: prompts, a mixed step whose sampled rows are not its first, and decode batches that pad by
-different amounts and reuse a bucket's stale rows. In exact mode bit for bit the eager forward;
-with host KV bit for bit the device pool; a step of more rows than the largest bucket still runs
-eagerly."""
+different amounts and reuse a bucket's stale rows. In exact mode bit for bit the eager forward,
+and drawing rows the eager step's tokens through draw graphs; with host KV bit for bit the
+device pool; a step of more rows than the largest bucket still runs eagerly."""
 
 import pytest
 import torch
-from helpers.graph_steps import PAGE, run, runner
+from helpers.graph_steps import PAGE, SAMPLING, run, runner
 
 from protocol.messages import SeqPlan, Step
 from worker.attention import choose_attention
@@ -26,6 +26,18 @@ def test_pieces_keep_the_default_mode_tokens():
     for (h1, t1), (h2, t2) in zip(eager, pieces, strict=True):
         torch.testing.assert_close(h1, h2, rtol=1e-5, atol=1e-5)
         assert t1 == t2
+
+
+def test_pieces_draw_the_eager_steps_tokens_through_draw_graphs():
+    eager, r = run(runner(True, graphs=False), sampling=SAMPLING), runner(True)
+    pieces = run(r, sampling=SAMPLING)
+    assert [t for _, t in pieces] == [t for _, t in eager]
+    greedy = run(runner(True))
+    assert [t for _, t in pieces] != [t for _, t in greedy]  # the draws are not the argmax
+    # graphs by (drawing rows padded, largest top-k padded, top-p): the prompts' step draws 2
+    # rows (top-k 20, no top-p), the mixed step 2 (top-k 5, top-p), the decode batches 1 to 4
+    assert set(r.graphs.draws.graphs) == {(2, 32, False), (2, 8, True), (4, 32, True),
+                                          (1, 32, False)}
 
 
 @pytest.mark.parametrize("slot_layers", [1, 3])
