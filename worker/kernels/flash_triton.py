@@ -27,7 +27,7 @@ import triton.language as tl
 
 from . import ATTENTION_SPLIT, sm_count, splits_bucket
 from . import paged_triton as paged
-from .paged_triton import tile_kv, tile_pages
+from .paged_triton import block_tile_rows, tile_kv, tile_pages
 
 # (query position, head) rows per program, keys per tile, warps, by head size: the fastest of a
 # sweep on an H200 at 1 x 16k and 8 x 512 tokens (docs/benchmarks.md)
@@ -77,14 +77,8 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, blocks_ptr, pos_ptr, out_ptr,
                   BLOCK_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
     qb = n_blocks - 1 - tl.program_id(0)  # a sequence's last block, the most keys, first
     kvh = tl.program_id(1)
-    table = tl.load(blocks_ptr + 3 * qb)
-    row0 = tl.load(blocks_ptr + 3 * qb + 1)
-    n = tl.load(blocks_ptr + 3 * qb + 2)
-    r = tl.arange(0, BLOCK_P * REP_P2)
-    valid = (r // REP_P2 < n) & (r % REP_P2 < REP)
-    t = (row0 + r // REP_P2).to(tl.int64)
-    h = kvh * REP + r % REP_P2
-    pos = tl.load(pos_ptr + t, mask=valid, other=-1)  # row i attends keys [0, pos[i]]
+    table, row0, _, valid, t, h, pos = block_tile_rows(blocks_ptr, pos_ptr, qb, kvh, REP,
+                                                       REP_P2, BLOCK_P)
     last = tl.max(pos, axis=0)
     first = tl.load(pos_ptr + row0)  # a block's rows are consecutive positions
     d = tl.arange(0, D)
@@ -119,15 +113,9 @@ def _attention_split_kernel(
     # (where its sequence's pages start in the flat tables, first row, rows); a page id read
     # there is offset by *base_ptr (the layer's slot in a staging ring, else 0).
     qb, kvh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    table = tl.load(blocks_ptr + 3 * qb)
+    table, _, _, valid, t, h, pos = block_tile_rows(blocks_ptr, pos_ptr, qb, kvh, REP, REP_P2,
+                                                    BLOCK_P)
     page_base = tl.load(base_ptr)
-    row0 = tl.load(blocks_ptr + 3 * qb + 1)
-    n = tl.load(blocks_ptr + 3 * qb + 2)
-    r = tl.arange(0, BLOCK_P * REP_P2)
-    valid = (r // REP_P2 < n) & (r % REP_P2 < REP)
-    t = (row0 + r // REP_P2).to(tl.int64)
-    h = kvh * REP + r % REP_P2
-    pos = tl.load(pos_ptr + t, mask=valid, other=-1)  # row i attends keys [0, pos[i]]
     last = tl.max(pos, axis=0)
     start = j * SPLIT
     if start <= last:

@@ -61,6 +61,23 @@ def tile_kv(k_ptr, v_ptr, pages, offs, end, kvh, d, stride_kp, stride_ks, stride
 
 
 @triton.jit
+def block_tile_rows(blocks_ptr, pos_ptr, qb, kvh, REP: tl.constexpr, REP_P2: tl.constexpr,
+                    BLOCK_P: tl.constexpr):
+    # Block qb's (where its sequence's pages start in the flat tables, first row, rows) and its
+    # tile rows, (position, head) pairs of KV head kvh: whether each is one, its row t, query
+    # head h and position (-1 for none: row i attends keys [0, pos[i]])
+    table = tl.load(blocks_ptr + 3 * qb)
+    row0 = tl.load(blocks_ptr + 3 * qb + 1)
+    n = tl.load(blocks_ptr + 3 * qb + 2)
+    r = tl.arange(0, BLOCK_P * REP_P2)
+    valid = (r // REP_P2 < n) & (r % REP_P2 < REP)
+    t = (row0 + r // REP_P2).to(tl.int64)
+    h = kvh * REP + r % REP_P2
+    pos = tl.load(pos_ptr + t, mask=valid, other=-1)
+    return table, row0, n, valid, t, h, pos
+
+
+@triton.jit
 def _merge(m_i, l_i, acc, m, l, o, live):
     # A row's state (max m_i, sum l_i, unnormalised output acc) followed by a tile's (m, l, o),
     # where live (else the state as it was, bit for bit); a row's first tile is taken as it is.
@@ -95,15 +112,9 @@ def _attention_kernel(
     # writes the rows' outputs; SPREAD, a block of one position: program_id(2)'s tile alone,
     # its state into m, l, o ([T, max_tiles, H] (x D)) for `_merge_kernel`.
     qb, kvh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    table = tl.load(blocks_ptr + 3 * qb)
+    table, _, n, valid, t, h, pos = block_tile_rows(blocks_ptr, pos_ptr, qb, kvh, REP, REP_P2,
+                                                    BLOCK_P)
     page_base = tl.load(base_ptr)
-    row0 = tl.load(blocks_ptr + 3 * qb + 1)
-    n = tl.load(blocks_ptr + 3 * qb + 2)
-    r = tl.arange(0, BLOCK_P * REP_P2)
-    valid = (r // REP_P2 < n) & (r % REP_P2 < REP)
-    t = (row0 + r // REP_P2).to(tl.int64)
-    h = kvh * REP + r % REP_P2
-    pos = tl.load(pos_ptr + t, mask=valid, other=-1)  # row i attends keys [0, pos[i]]
     last = tl.max(pos, axis=0)
     tiles = tl.where(last < 0, 0, last // TILE + 1)
     spread = SPREAD and n == 1
