@@ -98,12 +98,15 @@ def timed_batch(
 
 
 class SidingArm:
-    """`batch` concurrent streamed requests to a running cluster, timed as tokens reach us."""
+    """`batch` concurrent streamed requests to a running cluster, timed as tokens reach us;
+    greedy, or drawn with `sampling` (temperature, top_p), each request its own seed."""
 
-    def __init__(self, endpoint: str, prompts: list[list[int]], name: str = "siding"):
+    def __init__(self, endpoint: str, prompts: list[list[int]], name: str = "siding",
+                 sampling: dict[str, float] | None = None):
         self.endpoint = endpoint
         self.prompts = prompts
         self.name = name  # "siding", or "baseline": a cluster run from another checkout
+        self.sampling = sampling or {}
 
     def run(self, batch: int, tokens: int, repeat: int = -1) -> Sample:
         return asyncio.run(self._run(batch, tokens, repeat))
@@ -114,15 +117,19 @@ class SidingArm:
             await client.status()  # connected before the clock starts
             start = time.perf_counter()
             arrivals = await asyncio.gather(
-                *(self._stream(client, prompt, tokens) for prompt in self.prompts[:batch])
+                *(self._stream(client, prompt, tokens, seed)
+                  for seed, prompt in enumerate(self.prompts[:batch]))
             )
         finally:
             await client.close()
         return timed_batch(self.name, batch, repeat, start, arrivals)
 
-    async def _stream(self, client: AsyncClient, prompt: list[int], tokens: int) -> list[float]:
+    async def _stream(self, client: AsyncClient, prompt: list[int], tokens: int, seed: int
+                      ) -> list[float]:
         times: list[float] = []
-        stream = client.stream(prompt_token_ids=prompt, max_tokens=tokens, ignore_eos=True)
+        options = {**self.sampling, "seed": seed} if self.sampling else {}
+        stream = client.stream(prompt_token_ids=prompt, max_tokens=tokens, ignore_eos=True,
+                               **options)
         async for chunk in stream:
             now = time.perf_counter()
             times += [now] * len(chunk.token_ids)
@@ -132,13 +139,17 @@ class SidingArm:
 
 
 class HFArm:
-    """transformers `generate` on the whole batch at once, greedy, exactly `tokens` new tokens,
-    each step timed as its tokens reach the host (what a client of it would see)."""
+    """transformers `generate` on the whole batch at once, greedy or drawn with `sampling`,
+    exactly `tokens` new tokens, each step timed as its tokens reach the host (what a client of
+    it would see)."""
 
-    def __init__(self, model: Any, prompts: torch.Tensor, device: str):
+    def __init__(self, model: Any, prompts: torch.Tensor, device: str,
+                 sampling: dict[str, float] | None = None):
         self.model = model
         self.prompts = prompts.to(device)  # [max batch, context] int64
         self.device = device
+        self.sampling = {"do_sample": True, "top_k": 0, **sampling} if sampling else \
+            {"do_sample": False}
 
     def run(self, batch: int, tokens: int, repeat: int = -1) -> Sample:
         ids = self.prompts[:batch]
@@ -147,7 +158,7 @@ class HFArm:
         start = time.perf_counter()
         out = self.model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-            min_new_tokens=tokens, do_sample=False, pad_token_id=0, streamer=clock,
+            min_new_tokens=tokens, pad_token_id=0, streamer=clock, **self.sampling,
         )
         if out.shape != (batch, ids.shape[1] + tokens) or len(clock.steps) != tokens:
             raise RuntimeError(f"transformers generated {out.shape[1] - ids.shape[1]} tokens in "
@@ -242,6 +253,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pipeline-depth", type=int, default=1,
                    help="with --kv host: layers delivered ahead (`siding launch`)")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers arm")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="draw every token at this temperature (0: greedy), in every arm")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p")
     p.add_argument("--baseline", metavar="DIR", default=None,
                    help="also time a cluster run from another checkout (say `git worktree add "
                    "DIR main`), its batches interleaved with this tree's: a side-by-side A/B")
@@ -254,6 +268,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name, low in (("context", 1), ("tokens", 2), ("repeats", 1), ("workers", 1)):
         if getattr(args, name) < low:
             p.error(f"--{name} must be at least {low}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        p.error("--temperature must be at least 0 and --top-p in (0, 1]")
     return args
 
 
@@ -299,10 +315,12 @@ def main(argv: list[str]) -> None:
     progress(SCENARIO, f"measuring copy bandwidth on {device}")
     bandwidth = copy_bandwidth(device)
     progress(SCENARIO, f"bandwidth {statistics.median(bandwidth) / 1e9:.1f} GB/s")
+    sampling = {"temperature": args.temperature, "top_p": args.top_p} if args.temperature \
+        else None
     hf = None
     if args.hf:
         progress(SCENARIO, f"loading {args.model} in transformers ({dtype_name(dtype)}, {device})")
-        hf = HFArm(load_reference(args.model, dtype, device), prompts, device)
+        hf = HFArm(load_reference(args.model, dtype, device), prompts, device, sampling)
     launch = cluster_args(args, dtype, threads)
     samples: list[Sample] = []
     with contextlib.ExitStack() as stack:
@@ -311,7 +329,7 @@ def main(argv: list[str]) -> None:
                                                if args.baseline else [])]:
             progress(SCENARIO, f"starting {name} ({root or 'this tree'}): {' '.join(launch)}")
             cluster = stack.enter_context(LocalCluster(*launch, root=root))
-            arms.append(SidingArm(cluster.endpoint, prompts.tolist(), name))
+            arms.append(SidingArm(cluster.endpoint, prompts.tolist(), name, sampling))
         if hf is not None:
             arms.append(hf)
         progress(SCENARIO, "warming up: one full run of each arm and batch size")

@@ -1,5 +1,6 @@
 """`siding bench decode --baseline`: a second cluster from another checkout, timed batch by
-batch beside this tree's, with the ratio in the record and the table."""
+batch beside this tree's, with the ratio in the record and the table; `--temperature`: every
+request drawn, each with a seed of its own."""
 
 from __future__ import annotations
 
@@ -25,3 +26,21 @@ def test_a_baseline_cluster_is_timed_beside_this_trees(tmp_path, capsys):
         assert p["siding_over_baseline"] == ratio > 0 and p["hf"] is None
     out = capsys.readouterr().out
     assert "baseline tok/s" in out and "siding/baseline" in out
+
+
+def test_drawn_decode_sends_each_request_its_sampling_and_a_seed(tmp_path, monkeypatch):
+    sent = []
+    stream = decode.AsyncClient.stream
+
+    def spy(self, prompt=None, **options):
+        sent.append(options)
+        return stream(self, prompt, **options)
+
+    monkeypatch.setattr(decode.AsyncClient, "stream", spy)
+    decode.main(["--model", "synthetic:tiny", "--device", "cpu", "--batch-sizes", "2",
+                 "--context", "8", "--tokens", "4", "--repeats", "1", "--no-hf",
+                 "--temperature", "0.8", "--top-p", "0.9", "--out", str(tmp_path)])
+    drawn = {(o["temperature"], o["top_p"], o["seed"]) for o in sent}
+    assert drawn == {(0.8, 0.9, 0), (0.8, 0.9, 1)}
+    (path,) = tmp_path.glob("decode-*.json")
+    assert json.loads(path.read_text())["config"]["temperature"] == 0.8
