@@ -51,8 +51,14 @@ class DrawGraph:
                 self.run()
 
     def clear(self) -> None:
-        """Inputs that draw row 0 at temperature 1, nothing cut: what padding rows hold."""
-        ints_into([0] * self.rows * 3 + [_ONE_BITS] * self.rows + [_ALL_BITS] * self.rows,
+        """Every row a padding row."""
+        self._fill(Draws([], [], [], [], []))
+
+    def _fill(self, d: Draws) -> None:
+        """d's rows, then padding rows: row 0 drawn at temperature 1, nothing cut."""
+        pad = self.rows - len(d.rows)
+        ints_into([*d.rows, *[0] * pad, *d.keys, *[0] * pad, *d.top_ks, *[0] * pad,
+                   *d.temperatures, *[_ONE_BITS] * pad, *d.top_ps, *[_ALL_BITS] * pad],
                   self.ints)
 
     def run(self) -> None:
@@ -60,10 +66,7 @@ class DrawGraph:
                         self.temperatures, self.top_ps, self.k_max, self.top_p)
 
     def __call__(self, d: Draws) -> torch.Tensor:
-        pad = self.rows - len(d.rows)
-        ints_into([*d.rows, *[0] * pad, *d.keys, *[0] * pad, *d.top_ks, *[0] * pad,
-                   *d.temperatures, *[_ONE_BITS] * pad, *d.top_ps, *[_ALL_BITS] * pad],
-                  self.ints)
+        self._fill(d)
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -98,12 +101,6 @@ class DrawGraphs:
                 g = self.graphs[key] = DrawGraph(self.logits, *key, self.capture, self.pool)
             tokens.index_copy_(0, g.at[:n], g(d)[:n])
         return tokens
-
-    def release(self) -> None:
-        for g in self.graphs.values():
-            if g.graph is not None:
-                g.graph.reset()
-        self.graphs.clear()
 
 
 def _pow2(n: int) -> int:

@@ -302,6 +302,8 @@ def launch(q, k_pool, v_pool, tables, base, blocks, positions, states, out, scal
 def zero_base(dev: torch.device) -> torch.Tensor:
     """The page base of pages in place (not in a staging ring's slot): [1] zeros."""
     return torch.zeros(1, dtype=torch.int64, device=dev)
+
+
 @triton.jit
 def _write_rows_kernel(k_pages, v_pages, k, v, pages, offsets, carry, carry_pages, carry_offsets,
                        s_page, s_off, sk_row, sk_head, sk_dim, sv_row, sv_head, sv_dim, s_kv,
