@@ -25,16 +25,17 @@ import torch.nn.functional as F
 
 from .batch import BatchMeta
 from .exact import exact_attention
-from .kernels import triton_kernels, triton_module
+from .kernels import Scratch, triton_kernels, triton_module
 
 # q: [T, H, D]; K and V pages: [n_pages, page, KVH, D] already holding this step's rows; the
 # step's meta; the softmax scale -> [T, H, D]
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, BatchMeta, float], torch.Tensor]
-# (row bucket, keys bucket, query heads, KV heads, head size, device) -> what a captured step of
-# that bucket launches for its attention (`paged_triton.StepAttention`,
-# `flash_triton.StepAttention`): called with (q, K pages, V pages, flat tables, page base,
-# blocks, positions, out, scale), blocks of its `block_rows` positions
-StepAttentionFn = Callable[[int, int, int, int, int, torch.device], Any]
+# (row bucket, keys bucket, query heads, KV heads, head size, the worker's shared
+# `kernels.Scratch`) -> what a captured step of that bucket launches for its attention
+# (`paged_triton.StepAttention`, `flash_triton.StepAttention`): called with (q, K pages,
+# V pages, flat tables, page base, blocks, positions, out, scale), blocks of its `block_rows`
+# positions
+StepAttentionFn = Callable[[int, int, int, int, int, Scratch], Any]
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ import torch
 from . import cuda_driver
 from .batch import BatchMeta, ints_into
 from .draw_graphs import DrawGraphs
-from .kernels import ATTENTION_SPLIT, splits_bucket
+from .kernels import ATTENTION_SPLIT, Scratch, splits_bucket
 from .kv.pool import Pool
 from .kv.rows import write_rows
 from .model import StageModel
@@ -101,7 +101,8 @@ class StepBuffers:
     """A step of up to `rows` rows, in fixed buffers that the captured kernels read."""
 
     def __init__(self, rows: int, splits: int, stage: StageModel, pool: Pool,
-                 device: torch.device, capture: bool):
+                 device: torch.device, capture: bool, scratch: Scratch):
+        """scratch: the attention's partial results, shared by every graph of the worker."""
         a = stage.args
         self.rows, self.pool = rows, pool
         n_layers = len(pool.layers)
@@ -122,7 +123,7 @@ class StepBuffers:
         self.block_rows = 1  # positions of one sequence an attention block holds
         if self.kernels is not None:
             self.attention = pool.attention.step_attention(
-                rows, splits * ATTENTION_SPLIT, a.n_heads, a.n_kv_heads, a.head_dim, device)
+                rows, splits * ATTENTION_SPLIT, a.n_heads, a.n_kv_heads, a.head_dim, scratch)
             self.block_rows = self.attention.block_rows
         self.meta: BatchMeta | None = None  # the step's (for eager pieces' attention)
         self._tables: list[torch.Tensor] | None = None  # the tables `self.tables` holds
@@ -237,11 +238,11 @@ class BucketGraph:
     """The buffers and pieces of one (row bucket, split bucket)."""
 
     def __init__(self, stage: StageModel, pool: Pool, rows: int, splits: int,
-                 device: torch.device, dtype: torch.dtype, capture: bool,
+                 device: torch.device, dtype: torch.dtype, capture: bool, scratch: Scratch,
                  logits: torch.Tensor | None = None):
         """logits: on the last stage, [rows, vocab] of the graphs' shared logits buffer."""
         a = stage.args
-        self.buffers = b = StepBuffers(rows, splits, stage, pool, device, capture)
+        self.buffers = b = StepBuffers(rows, splits, stage, pool, device, capture, scratch)
         if stage.embed is not None:
             self.inputs = torch.zeros(rows, dtype=torch.int64, device=device)
         else:
@@ -339,6 +340,7 @@ class StepGraphs:
                                       stage.output.weight.shape[0], dtype=self.dtype,
                                       device=self.device)
         self.head: Head | None = None  # the last replay's, for its n rows
+        self.scratch = Scratch(self.device)  # every graph's attention's partial results
         # the draws of a replay's sampled rows, over its logits (worker/draw_graphs.py)
         self.draws = None if self.logits is None else DrawGraphs(self.logits, capture)
         self._key: Any = None  # the pool's graph_key the graphs were captured against
@@ -418,7 +420,8 @@ class StepGraphs:
 
     def _build(self, rows: int, splits: int, size: int) -> BucketGraph:
         g = BucketGraph(self.stage, self.kv_pool, rows, splits, self.device, self.dtype,
-                        self.capture, None if self.logits is None else self.logits[:rows])
+                        self.capture, self.scratch,
+                        None if self.logits is None else self.logits[:rows])
         if not self.capture:
             g.pieces = g.pieces_of(size) if size else g.fns
         else:

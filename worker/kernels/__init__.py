@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from types import ModuleType
 
 # Key positions per split of default mode's decode attention at most (`flash_triton`), and what
@@ -53,3 +54,26 @@ def sm_count(device) -> int:
 def triton_kernels() -> ModuleType | None:
     """`paged_triton`, or None where Triton is not installed."""
     return triton_module("paged_triton")
+
+
+class Scratch:
+    """Float32 memory that the attention of every captured step of one worker views for its
+    partial results (`paged_triton.StepAttention`, `flash_triton.StepAttention`). A worker's
+    steps replay one after another on one stream, so one buffer serves every graph, where a
+    buffer each took hundreds of MB. A graph that needs more than the buffer holds gets a new
+    one, at least twice as large, which the graphs after it share; those captured before keep
+    theirs."""
+
+    def __init__(self, device):
+        self.device = device
+        self.buffer = None
+
+    def views(self, *shapes: tuple[int, ...]) -> list:
+        import torch
+
+        sizes = [math.prod(shape) for shape in shapes]
+        need = sum(sizes)
+        if self.buffer is None or self.buffer.numel() < need:
+            grown = 0 if self.buffer is None else 2 * self.buffer.numel()
+            self.buffer = torch.empty(max(need, grown), dtype=torch.float32, device=self.device)
+        return [v.view(shape) for v, shape in zip(self.buffer[:need].split(sizes), shapes)]

@@ -12,8 +12,8 @@ both read the pages in place, through the sequence's page table, with grouped KV
   to PyTorch's fused SDPA instead (`whole_prompt`), which is faster there than this kernel.
 - A decode-only step (`decode`): one program per (block of positions, KV head, split of the
   keys), each walking its split in BLOCK_KV tiles with an online softmax and writing the split's
-  max, sum and partial output, with splits small enough to fill the GPU (`decode_split`), since
-  a batch of a few rows has only a few (row, KV head) programs otherwise; a second kernel
+  max, sum and partial output, with splits as small as one tile while their partial outputs
+  stay small (`decode_split`): the more programs, the more loads in flight; a second kernel
   combines a row's splits, COMBINE_CHUNK at a time. A captured step (worker/cuda_graphs.py,
   `StepAttention`) splits as an eager decode step of its bucket does, so it gets its bits.
 """
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import ATTENTION_SPLIT, sm_count, splits_bucket
+from . import ATTENTION_SPLIT, Scratch, splits_bucket
 from . import paged_triton as paged
 from .paged_triton import block_tile_rows, tile_kv, tile_pages
 
@@ -33,8 +33,8 @@ from .paged_triton import block_tile_rows, tile_kv, tile_pages
 # sweep on an H200 at 1 x 16k and 8 x 512 tokens (docs/benchmarks.md)
 TILES = {64: (128, 64, 8), 128: (256, 64, 8)}
 LOG2E = 1.4426950408889634
-PROGRAMS_PER_SM = 4  # what a decode step's split count aims at
-BLOCK_KV = 32  # key positions per tile of a decode split; divides every split
+BLOCK_KV = 64  # key positions per tile of a decode split; divides every split
+SPLIT_SCRATCH_BYTES = 64 << 20  # what a launch's partial outputs may take before splits grow
 COMBINE_CHUNK = 32  # splits a combine program loads at once
 WHOLE_PROMPT_ROWS = 2048  # a whole prompt this long goes to `whole_prompt`
 
@@ -209,13 +209,17 @@ def flash(q, k_pool, v_pool, meta, scale: float, tiles: tuple[int, int, int] | N
     return out
 
 
-def decode_split(rows: int, keys: int, kv_heads: int, device: torch.device) -> int:
-    """Keys per split of a decode step of `rows` rows (a bucket) over up to
-    `keys` keys (a multiple of ATTENTION_SPLIT): halved from ATTENTION_SPLIT while the launch has
-    fewer than PROGRAMS_PER_SM programs an SM, down to one tile."""
-    split, target = ATTENTION_SPLIT, PROGRAMS_PER_SM * sm_count(device)
-    while split > BLOCK_KV and rows * kv_heads * (keys // split) < target:
-        split //= 2
+def decode_split(rows: int, keys: int, q_heads: int, head_dim: int) -> int:
+    """Keys per split of a decode step of `rows` rows (a bucket) over up to `keys` keys (a
+    multiple of ATTENTION_SPLIT): one tile (BLOCK_KV), doubled while the splits' partial
+    outputs would pass SPLIT_SCRATCH_BYTES, up to ATTENTION_SPLIT. On an H200 one-tile splits
+    were the fastest of those measured at 1 and 32 rows and 512 to 2,048 keys, prompt tails
+    after a long context too (docs/benchmarks.md): more programs keep more loads in flight,
+    which outweighs their partial outputs' traffic (6% of the keys' bytes)."""
+    split = BLOCK_KV
+    while split < ATTENTION_SPLIT and \
+            scratch_bytes(rows, q_heads, head_dim, keys // split) > SPLIT_SCRATCH_BYTES:
+        split *= 2
     return split
 
 
@@ -225,12 +229,17 @@ def decode_block(q_heads: int, kv_heads: int) -> int:
     return max(1, 16 // triton.next_power_of_2(q_heads // kv_heads))
 
 
-def split_scratch(t: int, h: int, d: int, max_splits: int, dev: torch.device
+def split_scratch(t: int, h: int, d: int, max_splits: int, scratch: Scratch
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-split maxima and sums [T, H, splits] and partial outputs [T, H, splits, D]."""
-    m = torch.empty(t, h, max_splits, dtype=torch.float32, device=dev)
-    return m, torch.empty_like(m), torch.empty(t, h, max_splits, d, dtype=torch.float32,
-                                               device=dev)
+    """Per-split maxima and sums [T, H, splits] and partial outputs [T, H, splits, D], in
+    `scratch`."""
+    shape = (t, h, max_splits)
+    return tuple(scratch.views(shape, shape, (*shape, d)))
+
+
+def scratch_bytes(t: int, h: int, d: int, max_splits: int) -> int:
+    """The bytes `split_scratch` takes."""
+    return t * h * max_splits * (d + 2) * 4
 
 
 def decode(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
@@ -240,7 +249,7 @@ def decode(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
     kvh = k_pool.shape[2]
     rows = 1 << (meta.n_seqs - 1).bit_length()
     keys = splits_bucket(max(meta.context_lens)) * ATTENTION_SPLIT
-    split, block_p = decode_split(rows, keys, kvh, q.device), decode_block(h, kvh)
+    split, block_p = decode_split(rows, keys, h, d), decode_block(h, kvh)
     blocks, tables = paged.step_blocks(meta, block_p)
     out = torch.empty_like(q)
     # one scratch a step, kept on its meta: every layer's launches have its shape and run one
@@ -248,7 +257,7 @@ def decode(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
     cache = meta.__dict__.setdefault("_split_scratch", {})
     if (h, d, split) not in cache:
         cache[h, d, split] = split_scratch(t, h, d, triton.cdiv(max(meta.context_lens), split),
-                                           q.device)
+                                           Scratch(q.device))
     scratch = cache[h, d, split]
     launch_decode(q.contiguous(), k_pool, v_pool, tables, paged.zero_base(q.device), blocks,
                   meta.positions, scratch, out, scale, split, block_p)
@@ -258,13 +267,13 @@ def decode(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
 class StepAttention:
     """What a captured step of up to `rows` rows over up to `keys` keys launches for its
     attention (worker/cuda_graphs.py): the split kernels, split as an eager decode step of that
-    bucket (`decode`), whatever the step's rows."""
+    bucket (`decode`), whatever the step's rows, their partial results in `scratch`."""
 
     def __init__(self, rows: int, keys: int, q_heads: int, kv_heads: int, head_dim: int,
-                 device: torch.device):
-        self.split = decode_split(rows, keys, kv_heads, device)
+                 scratch: Scratch):
+        self.split = decode_split(rows, keys, q_heads, head_dim)
         self.block_rows = decode_block(q_heads, kv_heads)
-        self.scratch = split_scratch(rows, q_heads, head_dim, keys // self.split, device)
+        self.scratch = split_scratch(rows, q_heads, head_dim, keys // self.split, scratch)
 
     def __call__(self, q, k_pool, v_pool, tables, base, blocks, positions, out, scale: float
                  ) -> None:

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import sm_count
+from . import Scratch, sm_count
 
 TILE = 64  # key positions a row's state is computed over alone, then merged in order
 BLOCK_ROWS = 64  # (query position, head) rows per attention program
@@ -231,12 +231,12 @@ def scratch_bytes(rows: int, keys: int, q_heads: int, head_dim: int) -> int:
     return rows * triton.cdiv(keys, TILE) * q_heads * (head_dim + 2) * 4
 
 
-def tile_states(rows: int, keys: int, q_heads: int, head_dim: int, device: torch.device
+def tile_states(rows: int, keys: int, q_heads: int, head_dim: int, scratch: Scratch
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Spread tiles' maxima and sums [rows, tiles, H] and outputs [rows, tiles, H, D]."""
-    m = torch.empty(rows, triton.cdiv(keys, TILE), q_heads, dtype=torch.float32, device=device)
-    return m, torch.empty_like(m), torch.empty(*m.shape, head_dim, dtype=torch.float32,
-                                               device=device)
+    """Spread tiles' maxima and sums [rows, tiles, H] and outputs [rows, tiles, H, D], in
+    `scratch`."""
+    shape = (rows, triton.cdiv(keys, TILE), q_heads)
+    return tuple(scratch.views(shape, shape, (*shape, head_dim)))
 
 
 def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
@@ -251,7 +251,7 @@ def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
         if spread(t, keys, h, kvh, d, q.device):
             cache = meta.__dict__.setdefault("_tile_states", {})
             if (h, d) not in cache:
-                cache[h, d] = tile_states(t, keys, h, d, q.device)
+                cache[h, d] = tile_states(t, keys, h, d, Scratch(q.device))
             states = cache[h, d]
         launch(q.contiguous(), k_pool, v_pool, tables, zero_base(q.device), blocks, meta.positions,
                states, out, scale)
@@ -264,11 +264,11 @@ class StepAttention:
     of its own where that bucket spreads."""
 
     def __init__(self, rows: int, keys: int, q_heads: int, kv_heads: int, head_dim: int,
-                 device: torch.device):
+                 scratch: Scratch):
         self.block_rows = block_rows(q_heads, kv_heads)
         self.states = None
-        if spread(rows, keys, q_heads, kv_heads, head_dim, device):
-            self.states = tile_states(rows, keys, q_heads, head_dim, device)
+        if spread(rows, keys, q_heads, kv_heads, head_dim, scratch.device):
+            self.states = tile_states(rows, keys, q_heads, head_dim, scratch)
 
     def __call__(self, q, k_pool, v_pool, tables, base, blocks, positions, out, scale: float
                  ) -> None:
