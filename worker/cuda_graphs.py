@@ -364,12 +364,13 @@ class StepGraphs:
         if not self._current():
             return
         top, size = min(max_rows, self.max_rows), self._piece_layers()
-        for rows in sorted({self.bucket_rows(n) for n in range(1, top + 1)}):
-            splits = 1
-            while splits <= PREPARED_SPLITS:
+        # the largest first: the attention scratch all of them share is allocated once
+        for rows in sorted({self.bucket_rows(n) for n in range(1, top + 1)}, reverse=True):
+            splits = PREPARED_SPLITS
+            while splits:
                 if (rows, splits, size) not in self.graphs:
                     self._build(rows, splits, size)
-                splits *= 2
+                splits //= 2
 
     def forward(self, inputs: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         """As `StageModel.forward` over the pool's layers, between its begin_step and end_step;

@@ -34,7 +34,9 @@ from .paged_triton import block_tile_rows, tile_kv, tile_pages
 TILES = {64: (128, 64, 8), 128: (256, 64, 8)}
 LOG2E = 1.4426950408889634
 BLOCK_KV = 64  # key positions per tile of a decode split; divides every split
-SPLIT_SCRATCH_BYTES = 64 << 20  # what a launch's partial outputs may take before splits grow
+# what a launch's partial outputs may take before its splits grow: one buffer a worker holds
+# (`kernels.Scratch`), 0.7% of an H200's memory
+SPLIT_SCRATCH_BYTES = 1 << 30
 COMBINE_CHUNK = 32  # splits a combine program loads at once
 WHOLE_PROMPT_ROWS = 2048  # a whole prompt this long goes to `whole_prompt`
 
@@ -213,9 +215,10 @@ def decode_split(rows: int, keys: int, q_heads: int, head_dim: int) -> int:
     """Keys per split of a decode step of `rows` rows (a bucket) over up to `keys` keys (a
     multiple of ATTENTION_SPLIT): one tile (BLOCK_KV), doubled while the splits' partial
     outputs would pass SPLIT_SCRATCH_BYTES, up to ATTENTION_SPLIT. On an H200 one-tile splits
-    were the fastest of those measured at 1 and 32 rows and 512 to 2,048 keys, prompt tails
-    after a long context too (docs/benchmarks.md): more programs keep more loads in flight,
-    which outweighs their partial outputs' traffic (6% of the keys' bytes)."""
+    were the fastest of splits of 64, 128 and 256 keys in tiles of 32 and 64 keys at every
+    shape measured, from one decode row to 256 and prompt chunks of 24 to 512 rows, over 512 to
+    16k keys (docs/benchmarks.md): more programs keep more loads in flight, which outweighs
+    their partial outputs' traffic (6% of the keys' bytes)."""
     split = BLOCK_KV
     while split < ATTENTION_SPLIT and \
             scratch_bytes(rows, q_heads, head_dim, keys // split) > SPLIT_SCRATCH_BYTES:
