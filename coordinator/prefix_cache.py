@@ -4,7 +4,10 @@ Every full page of a sequence is keyed by a hash chained from its parent page's 
 page's token ids; the chain starts from a salt of everything else that changes the KV's bits
 (the model, its dtype, exact mode, the page size). Since a page's key names its whole prefix,
 two sequences whose first k pages have equal keys have equal tokens there, and so the same K and
-V in them (exact mode: the same bits, however the prefill was chunked or batched).
+V in them (exact mode: the same bits, however the prefill was chunked or batched). A lookup
+hashes nothing: each cached key is also found by what made it (its parent's key and the page's
+ids, compared whole), so a prompt's cached pages cost a dictionary lookup each, where hashing
+them cost 1.6 us a page on the CI machine (a 2,000-token prefix: 125 pages).
 
 A new sequence takes the longest run of cached pages its prompt starts with, read-only and
 reference counted (as `n > 1` choices share a prompt), and prefills only the rest. It always
@@ -25,16 +28,27 @@ from collections.abc import Iterator
 from .page_allocator import PageAllocator
 from .sequence import Sequence
 
+ID_BYTES = array("i").itemsize
+
+
+def packed_pages(tokens: list[int], page_size: int) -> list[bytes]:
+    """The ids of each full page of `tokens` (int32, as they cross the wire), packed once for
+    all the pages rather than a page at a time."""
+    ids = array("i", tokens[:len(tokens) - len(tokens) % page_size]).tobytes()
+    size = page_size * ID_BYTES
+    return [ids[i:i + size] for i in range(0, len(ids), size)]
+
+
+def page_key(parent: bytes, page: bytes) -> bytes:
+    """A page's key: a hash of its parent's key and its packed ids. SHA-256, cut to 16 bytes: the
+    processors we run on compute it in hardware, about twice as fast a call as BLAKE2b here."""
+    return hashlib.sha256(parent + page).digest()[:16]
+
 
 def page_keys(parent: bytes, tokens: list[int], page_size: int) -> Iterator[bytes]:
-    """The key of each full page of `tokens` in turn: a hash of the one before's (the first:
-    `parent`) and the page's ids (int32, as they cross the wire), packed once for all the pages
-    rather than a page at a time. SHA-256, cut to 16 bytes: the processors we run on compute it
-    in hardware, about twice as fast a call as BLAKE2b here."""
-    ids = array("i", tokens[:len(tokens) - len(tokens) % page_size])
-    packed, size = ids.tobytes(), page_size * ids.itemsize
-    for i in range(0, len(packed), size):
-        parent = hashlib.sha256(parent + packed[i:i + size]).digest()[:16]
+    """The key of each full page of `tokens` in turn, the first's parent `parent`."""
+    for page in packed_pages(tokens, page_size):
+        parent = page_key(parent, page)
         yield parent
 
 
@@ -45,6 +59,10 @@ class PrefixCache:
         self.root = hashlib.sha256(f"{salt}|page {page_size}".encode()).digest()[:16]
         self.by_key: dict[bytes, int] = {}  # key -> the page holding it
         self.key_of: dict[int, bytes] = {}  # page -> its key
+        # (parent's key, packed ids) -> key, for every cached key: a lookup finds a prompt's
+        # cached pages by what made their keys, without hashing them again
+        self.child: dict[tuple[bytes, bytes], bytes] = {}
+        self.made_of: dict[bytes, tuple[bytes, bytes]] = {}  # key -> what made it
         allocator.on_evict = self._evicted
         self.queried = 0  # prompt tokens looked up
         self.hit = 0  # and found
@@ -61,15 +79,16 @@ class PrefixCache:
         p = self.page_size
         self.queried += len(seq.token_ids)
         keys: list[bytes] = []
-        pages: list[int] = []
-        for key in page_keys(self.root, seq.token_ids[:limit], p):
-            page = self.by_key.get(key)
-            if page is None:
+        parent = self.root
+        for page in packed_pages(seq.token_ids[:limit], p):
+            key = self.child.get((parent, page))
+            if key is None:
                 break
             keys.append(key)
-            pages.append(page)
-        if not pages:
+            parent = key
+        if not keys:
             return
+        pages = [self.by_key[key] for key in keys]
         self.allocator.share(pages)
         seq.pages, seq.page_keys, seq.n_computed = pages, keys, len(pages) * p
         self.hit += seq.n_computed
@@ -98,30 +117,39 @@ class PrefixCache:
         first = len(keys)
         if seq.n_computed < (first + 1) * p:  # no page filled since: most decode steps
             return
-        new = seq.token_ids[first * p:seq.n_computed]
-        for i, key in enumerate(page_keys(keys[-1] if keys else self.root, new, p), first):
+        parent = keys[-1] if keys else self.root
+        for i, page in enumerate(packed_pages(seq.token_ids[first * p:seq.n_computed], p), first):
+            key = page_key(parent, page)
             keys.append(key)
-            self._keep(key, seq.pages[i])
+            self._keep(key, (parent, page), seq.pages[i])
+            parent = key
 
     def restored(self, seq: Sequence, first: int) -> None:
         """A parked sequence's pages from `first` on were restored into new pages: key those
         whose content the cache lost meanwhile (their old pages were reused)."""
-        for i in range(first, min(len(seq.page_keys), len(seq.pages))):
-            self._keep(seq.page_keys[i], seq.pages[i])
+        p, keys = self.page_size, seq.page_keys
+        for i in range(first, min(len(keys), len(seq.pages))):
+            (page,) = packed_pages(seq.token_ids[i * p:(i + 1) * p], p)
+            self._keep(keys[i], (keys[i - 1] if i else self.root, page), seq.pages[i])
 
-    def _keep(self, key: bytes, page: int) -> None:
+    def _keep(self, key: bytes, made_of: tuple[bytes, bytes], page: int) -> None:
         if key not in self.by_key and page not in self.key_of:
             self.by_key[key] = page
             self.key_of[page] = key
+            self.child[made_of] = key
+            self.made_of[key] = made_of
             self.allocator.retain(page)
 
     def clear(self) -> None:
         """The workers' KV is gone: nothing is cached any more."""
         self.by_key.clear()
         self.key_of.clear()
+        self.child.clear()
+        self.made_of.clear()
         self.allocator.release_all()
 
     def _evicted(self, page: int) -> None:
         key = self.key_of.pop(page, None)
         if key is not None:
             del self.by_key[key]
+            del self.child[self.made_of.pop(key)]

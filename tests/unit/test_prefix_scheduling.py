@@ -5,7 +5,7 @@ used first, reclaimed before anyone is preempted, forgotten when the workers los
 from __future__ import annotations
 
 from coordinator.page_allocator import PageAllocator
-from coordinator.prefix_cache import PrefixCache, page_keys
+from coordinator.prefix_cache import PrefixCache, page_key, page_keys
 from coordinator.scheduler import Schedule, Scheduler
 from coordinator.sequence import Request
 from protocol.messages import Submit
@@ -100,6 +100,7 @@ def test_cached_pages_wait_idle_are_reused_last_and_evicted_least_recent_first()
     s.add_request(request(2, [2] * 70))  # 18 pages: the free 14, then 4 of a's (the older)
     run_to_end(s)
     assert pool.evictions == 4
+    assert_found_by_what_made_them(s.cache)
     s.add_request(request(3, [1] * 21))
     assert run_to_end(s)[0][0][1] == 20  # b's pages are all still there
     s.add_request(request(4, PROMPT[:21]))
@@ -135,6 +136,7 @@ def test_the_workers_losing_their_kv_empties_the_cache():
     assert s.cache.by_key
     s.recompute_all()
     assert not s.cache.by_key and s.cache.idle_pages == 0 and s.allocator.n_free == 64
+    assert not s.cache.child and not s.cache.made_of
     r = request(1, PROMPT)
     s.add_request(r)
     assert run_to_end(s)[0][0][1] == 0
@@ -159,6 +161,15 @@ def test_a_cache_off_scheduler_computes_every_prompt_in_full():
     r = request(1, PROMPT)
     s.add_request(r)
     assert run_to_end(s)[0] == [(r.seqs[0].id, 0, 42)]
+
+
+def assert_found_by_what_made_them(cache: PrefixCache) -> None:
+    """Every cached key, and only those, is found by its parent's key and its page's ids: what a
+    lookup walks."""
+    assert cache.made_of.keys() == cache.by_key.keys()
+    assert cache.child == {made_of: key for key, made_of in cache.made_of.items()}
+    for key, (parent, ids) in cache.made_of.items():
+        assert page_key(parent, ids) == key
 
 
 def parked_and_back(s: Scheduler, seq, meanwhile=lambda: None) -> tuple:
@@ -226,5 +237,9 @@ def test_a_restore_after_its_cached_pages_were_reused_moves_them_all_and_keys_th
     assert len(park.pages) == len(restore.pages) == len(restore.slots) == 11
     assert restore.kept == []
     assert all(s.cache.by_key[k] == p for k, p in zip(seq.page_keys, seq.pages, strict=False))
+    assert_found_by_what_made_them(s.cache)
     run_to_end(s)
+    again = request(1, PROMPT)  # finds the pages the restore keyed again
+    s.add_request(again)
+    assert run_to_end(s)[0] == [(again.seqs[0].id, 40, 2)]
     assert s.allocator.n_used == 0 and s.park_slots.n_used == 0
