@@ -82,6 +82,8 @@ def from_header(cls: type, header: Any, where: str = "") -> Any:
     return cls(**values)
 
 
+_INT = {int}
+
 # A field's check takes (value, where, name) and returns the value to keep; the field's name is
 # formatted only for an error, since checks run for every item of every list.
 Check = typing.Callable[[Any, str, Any], Any]
@@ -160,7 +162,7 @@ def _compile(tp: Any, meta: Any) -> Check:
                 fail(where, name, "must be a list")
             short(v, where, name)
             if item is int:  # the hot case (token and page ids): one pass, items unlimited
-                if all(type(x) is int for x in v):
+                if set(map(type, v)) <= _INT:  # in C: 0.6 of a generator's time over 2k ids
                     return v
                 bad = next(i for i, x in enumerate(v) if type(x) is not int)
                 fail(f"{where}{name}", f"[{bad}]", "must be an integer")
