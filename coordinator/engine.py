@@ -45,7 +45,8 @@ from .page_allocator import PageAllocator
 from .plan import step_plan
 from .prefix_cache import PrefixCache
 from .requests import Requests
-from .scheduler import Schedule, Scheduler
+from .schedule import Schedule
+from .scheduler import Scheduler
 from .status import cluster_status
 from .worker_group import StartupError, WorkerGroup
 

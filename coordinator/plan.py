@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from protocol.messages import PageCopy, PageMove, Sampling, SeqPlan, Step
 
-from .scheduler import Schedule
+from .schedule import Schedule
 
 
 def step_plan(step: int, sched: Schedule) -> Step:

@@ -16,7 +16,8 @@ from protocol.messages import Cancel, Failed, Finished, Outputs, Report, Submit
 
 from .frontends import FrontendGroup
 from .metrics import CoordinatorMetrics
-from .scheduler import Schedule, Scheduler, StepOutput
+from .schedule import Schedule, StepOutput
+from .scheduler import Scheduler
 from .sequence import Request
 
 PROMPT_ID = np.dtype(np.int32)  # a SUBMIT's prompt frame: its ids, as array("i") packs them

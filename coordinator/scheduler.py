@@ -40,58 +40,13 @@ from __future__ import annotations
 import secrets
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 from .page_allocator import PageAllocator, pages_for
 from .prefix_cache import PrefixCache
+from .schedule import Move, Schedule, StepOutput
 from .sequence import Request, Sequence
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i of a request draws from seed + i * SEED_STRIDE
-
-
-@dataclass
-class Move:
-    seq: Sequence
-    pages: list[int]  # moved to (park) or from (restore) the park store's slots
-    slots: list[int]
-    kept: list[int] = field(default_factory=list)  # a restore: the resident pages before them
-
-
-@dataclass
-class Schedule:
-    """One step as the scheduler decided it; `plan.step_plan` turns it into the wire's `Step`."""
-
-    batch: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, rows)
-    parks: list[Move] = field(default_factory=list)
-    restores: list[Move] = field(default_factory=list)
-    recomputed: list[Sequence] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) pages
-    # Set when the step is emitted, for each batch entry: where it starts, whether it samples,
-    # whether its input is a token still in flight (planned ahead), and its sequence's epoch (a
-    # result for an older epoch is stale), ...
-    starts: list[int] = field(default_factory=list)
-    samples: list[bool] = field(default_factory=list)
-    after: list[bool] = field(default_factory=list)
-    epochs: list[int] = field(default_factory=list)
-    # ... and what the workers learn with it.
-    new_pages: dict[int, list[int]] = field(default_factory=dict)  # sequence id -> pages added
-    announce: set[int] = field(default_factory=set)  # sequences whose sampling goes with it
-    free: list[int] = field(default_factory=list)  # sequences the workers forget first
-
-    def __bool__(self) -> bool:
-        return bool(self.batch or self.parks or self.restores or self.recomputed or self.copies)
-
-
-@dataclass
-class StepOutput:
-    """What a step's results did: each sampled token, and the sequences that ended."""
-
-    tokens: list[tuple[Sequence, int]] = field(default_factory=list)
-    finished: list[Sequence] = field(default_factory=list)
-    # rows planned on a token in flight: applied, or computed for nothing (the sequence had
-    # ended by then, or recomputes)
-    ahead_used: int = 0
-    ahead_dropped: int = 0
 
 
 class Scheduler:

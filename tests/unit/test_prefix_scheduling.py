@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from coordinator.page_allocator import PageAllocator
 from coordinator.prefix_cache import PrefixCache, page_key, page_keys
-from coordinator.scheduler import Schedule, Scheduler
+from coordinator.schedule import Schedule
+from coordinator.scheduler import Scheduler
 from coordinator.sequence import Request
 from protocol.messages import Submit
 

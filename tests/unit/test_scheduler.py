@@ -1,7 +1,8 @@
 import time
 
 from coordinator.page_allocator import PageAllocator
-from coordinator.scheduler import Schedule, Scheduler
+from coordinator.schedule import Schedule
+from coordinator.scheduler import Scheduler
 from coordinator.sequence import Request, Sequence
 from protocol.messages import Submit
 
