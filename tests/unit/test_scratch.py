@@ -2,7 +2,7 @@
 
 import torch
 
-from worker.kernels import Scratch
+from worker.kernels import Scratch, states_bytes
 
 
 def test_views_of_later_graphs_share_one_buffer_and_a_larger_need_gets_a_larger_one():
@@ -22,3 +22,10 @@ def test_views_of_later_graphs_share_one_buffer_and_a_larger_need_gets_a_larger_
     assert first.numel() == 36  # the earlier graphs' buffer is left as it was
     scratch.views((104,))  # just past it: at least twice, so growth stays geometric
     assert scratch.buffer.numel() == 206
+
+
+def test_softmax_states_are_maxima_sums_and_outputs_of_the_bytes_counted_for_them():
+    scratch = Scratch("cpu")
+    m, l_sum, o = scratch.states((3, 4, 5), 8)
+    assert (m.shape, l_sum.shape, o.shape) == ((3, 4, 5), (3, 4, 5), (3, 4, 5, 8))
+    assert states_bytes((3, 4, 5), 8) == sum(t.numel() * t.element_size() for t in (m, l_sum, o))

@@ -77,3 +77,13 @@ class Scratch:
             grown = 0 if self.buffer is None else 2 * self.buffer.numel()
             self.buffer = torch.empty(max(need, grown), dtype=torch.float32, device=self.device)
         return [v.view(shape) for v, shape in zip(self.buffer[:need].split(sizes), shapes)]
+
+    def states(self, shape: tuple[int, ...], head_dim: int) -> tuple:
+        """Softmax states over `shape` (the split kernels' splits, exact mode's spread tiles):
+        maxima and sums [*shape], unnormalised outputs [*shape, head_dim]."""
+        return tuple(self.views(shape, shape, (*shape, head_dim)))
+
+
+def states_bytes(shape: tuple[int, ...], head_dim: int) -> int:
+    """The bytes `Scratch.states(shape, head_dim)` takes."""
+    return math.prod(shape) * (head_dim + 2) * 4

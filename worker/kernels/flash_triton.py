@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import ATTENTION_SPLIT, Scratch, splits_bucket
+from . import ATTENTION_SPLIT, Scratch, splits_bucket, states_bytes
 from . import paged_triton as paged
 from .paged_triton import block_tile_rows, tile_kv, tile_pages
 
@@ -221,7 +221,7 @@ def decode_split(rows: int, keys: int, q_heads: int, head_dim: int) -> int:
     their partial outputs' traffic (6% of the keys' bytes)."""
     split = BLOCK_KV
     while split < ATTENTION_SPLIT and \
-            scratch_bytes(rows, q_heads, head_dim, keys // split) > SPLIT_SCRATCH_BYTES:
+            states_bytes((rows, q_heads, keys // split), head_dim) > SPLIT_SCRATCH_BYTES:
         split *= 2
     return split
 
@@ -230,19 +230,6 @@ def decode_block(q_heads: int, kv_heads: int) -> int:
     """Query positions a decode program's tile holds (one is used): the fewest a tensor-core
     product takes (16 tile rows)."""
     return max(1, 16 // triton.next_power_of_2(q_heads // kv_heads))
-
-
-def split_scratch(t: int, h: int, d: int, max_splits: int, scratch: Scratch
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-split maxima and sums [T, H, splits] and partial outputs [T, H, splits, D], in
-    `scratch`."""
-    shape = (t, h, max_splits)
-    return tuple(scratch.views(shape, shape, (*shape, d)))
-
-
-def scratch_bytes(t: int, h: int, d: int, max_splits: int) -> int:
-    """The bytes `split_scratch` takes."""
-    return t * h * max_splits * (d + 2) * 4
 
 
 def decode(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
@@ -259,8 +246,8 @@ def decode(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
     # after another on one stream
     cache = meta.__dict__.setdefault("_split_scratch", {})
     if (h, d, split) not in cache:
-        cache[h, d, split] = split_scratch(t, h, d, triton.cdiv(max(meta.context_lens), split),
-                                           Scratch(q.device))
+        cache[h, d, split] = Scratch(q.device).states(
+            (t, h, triton.cdiv(max(meta.context_lens), split)), d)
     scratch = cache[h, d, split]
     launch_decode(q.contiguous(), k_pool, v_pool, tables, paged.zero_base(q.device), blocks,
                   meta.positions, scratch, out, scale, split, block_p)
@@ -276,7 +263,7 @@ class StepAttention:
                  scratch: Scratch):
         self.split = decode_split(rows, keys, q_heads, head_dim)
         self.block_rows = decode_block(q_heads, kv_heads)
-        self.scratch = split_scratch(rows, q_heads, head_dim, keys // self.split, scratch)
+        self.scratch = scratch.states((rows, q_heads, keys // self.split), head_dim)
 
     def __call__(self, q, k_pool, v_pool, tables, base, blocks, positions, out, scale: float
                  ) -> None:
@@ -288,8 +275,8 @@ def launch_decode(q, k_pool, v_pool, tables, base, blocks, positions, scratch, o
                   scale: float, split: int, block_p: int) -> None:
     """The split kernels over explicit buffers, each sized by the caller. q, out: [T, H, D];
     tables: flat page ids, each offset by base [1]; blocks: [n, 3] as `paged.step_blocks`, of
-    block_p positions; positions: [T] (-1: a padding row); scratch: `split_scratch(T, H, D,
-    splits)`, splits of `split` keys (a multiple of BLOCK_KV) covering every key."""
+    block_p positions; positions: [T] (-1: a padding row); scratch: `Scratch.states((T, H,
+    splits), D)`, splits of `split` keys (a multiple of BLOCK_KV) covering every key."""
     t, h, d = q.shape
     rep = h // k_pool.shape[2]
     m, l_split, o = scratch

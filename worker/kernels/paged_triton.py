@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import Scratch, sm_count
+from . import Scratch, sm_count, states_bytes
 
 TILE = 64  # key positions a row's state is computed over alone, then merged in order
 BLOCK_ROWS = 64  # (query position, head) rows per attention program
@@ -224,19 +224,12 @@ def spread(rows: int, keys: int, q_heads: int, kv_heads: int, head_dim: int,
     blocks' tiles over programs of their own: where its (block, KV head) programs would leave
     SMs idle, and the tiles' states fit SPREAD_SCRATCH_BYTES. The bits are the same either way."""
     few = rows * kv_heads * SPREAD_BELOW < sm_count(device)
-    return few and scratch_bytes(rows, keys, q_heads, head_dim) <= SPREAD_SCRATCH_BYTES
+    return few and states_bytes(tile_shape(rows, keys, q_heads), head_dim) <= SPREAD_SCRATCH_BYTES
 
 
-def scratch_bytes(rows: int, keys: int, q_heads: int, head_dim: int) -> int:
-    return rows * triton.cdiv(keys, TILE) * q_heads * (head_dim + 2) * 4
-
-
-def tile_states(rows: int, keys: int, q_heads: int, head_dim: int, scratch: Scratch
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Spread tiles' maxima and sums [rows, tiles, H] and outputs [rows, tiles, H, D], in
-    `scratch`."""
-    shape = (rows, triton.cdiv(keys, TILE), q_heads)
-    return tuple(scratch.views(shape, shape, (*shape, head_dim)))
+def tile_shape(rows: int, keys: int, q_heads: int) -> tuple[int, int, int]:
+    """The spread tiles' states of a launch: [rows, tiles, H] (`Scratch.states`)."""
+    return rows, triton.cdiv(keys, TILE), q_heads
 
 
 def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
@@ -251,7 +244,7 @@ def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
         if spread(t, keys, h, kvh, d, q.device):
             cache = meta.__dict__.setdefault("_tile_states", {})
             if (h, d) not in cache:
-                cache[h, d] = tile_states(t, keys, h, d, Scratch(q.device))
+                cache[h, d] = Scratch(q.device).states(tile_shape(t, keys, h), d)
             states = cache[h, d]
         launch(q.contiguous(), k_pool, v_pool, tables, zero_base(q.device), blocks, meta.positions,
                states, out, scale)
@@ -268,7 +261,7 @@ class StepAttention:
         self.block_rows = block_rows(q_heads, kv_heads)
         self.states = None
         if spread(rows, keys, q_heads, kv_heads, head_dim, scratch.device):
-            self.states = tile_states(rows, keys, q_heads, head_dim, scratch)
+            self.states = scratch.states(tile_shape(rows, keys, q_heads), head_dim)
 
     def __call__(self, q, k_pool, v_pool, tables, base, blocks, positions, out, scale: float
                  ) -> None:
@@ -280,7 +273,8 @@ def launch(q, k_pool, v_pool, tables, base, blocks, positions, states, out, scal
     """The launches of a paged attention over explicit buffers, each sized by the caller. q,
     out: [T, H, D]; tables: flat page ids, each offset by base [1]; blocks: [n, 3] as
     `step_blocks`, of `block_rows` positions; positions: [T] (-1: a padding row); states:
-    `tile_states` covering every key to spread one-position blocks' tiles, None not to."""
+    `Scratch.states` of a `tile_shape` covering every key to spread one-position blocks'
+    tiles, None not to."""
     h, d = q.shape[1:]
     kvh = k_pool.shape[2]
     rep = h // kvh
