@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Iterator
 
 from .page_allocator import PageAllocator
 from .sequence import Sequence
@@ -43,13 +42,6 @@ def page_key(parent: bytes, page: bytes) -> bytes:
     """A page's key: a hash of its parent's key and its packed ids. SHA-256, cut to 16 bytes: the
     processors we run on compute it in hardware, about twice as fast a call as BLAKE2b here."""
     return hashlib.sha256(parent + page).digest()[:16]
-
-
-def page_keys(parent: bytes, tokens: list[int], page_size: int) -> Iterator[bytes]:
-    """The key of each full page of `tokens` in turn, the first's parent `parent`."""
-    for page in packed_pages(tokens, page_size):
-        parent = page_key(parent, page)
-        yield parent
 
 
 class PrefixCache:
@@ -128,8 +120,8 @@ class PrefixCache:
         """A parked sequence's pages from `first` on were restored into new pages: key those
         whose content the cache lost meanwhile (their old pages were reused)."""
         p, keys = self.page_size, seq.page_keys
-        for i in range(first, min(len(keys), len(seq.pages))):
-            (page,) = packed_pages(seq.token_ids[i * p:(i + 1) * p], p)
+        end = min(len(keys), len(seq.pages))
+        for i, page in enumerate(packed_pages(seq.token_ids[first * p:end * p], p), first):
             self._keep(keys[i], (keys[i - 1] if i else self.root, page), seq.pages[i])
 
     def _keep(self, key: bytes, made_of: tuple[bytes, bytes], page: int) -> None:

@@ -5,7 +5,7 @@ used first, reclaimed before anyone is preempted, forgotten when the workers los
 from __future__ import annotations
 
 from coordinator.page_allocator import PageAllocator
-from coordinator.prefix_cache import PrefixCache, page_key, page_keys
+from coordinator.prefix_cache import PrefixCache, packed_pages, page_key
 from coordinator.schedule import Schedule
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import Request
@@ -141,6 +141,16 @@ def test_the_workers_losing_their_kv_empties_the_cache():
     r = request(1, PROMPT)
     s.add_request(r)
     assert run_to_end(s)[0][0][1] == 0
+
+
+def page_keys(parent: bytes, tokens: list[int], page_size: int) -> list[bytes]:
+    """The key of each full page of `tokens` in turn, the first's parent `parent`, as the cache
+    makes them."""
+    keys = []
+    for page in packed_pages(tokens, page_size):
+        parent = page_key(parent, page)
+        keys.append(parent)
+    return keys
 
 
 def test_keys_chain_the_whole_prefix_and_the_salt():
