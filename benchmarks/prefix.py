@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import shlex
 import time
 from typing import Any
 
@@ -57,6 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=8, help="turns of the chat")
     p.add_argument("--tokens", type=int, default=16, help="tokens generated per request")
     p.add_argument("--kv-pages", type=int, default=4096)
+    p.add_argument("--extra", default="", help="more `siding launch` flags, one string")
     p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
     a = p.parse_args(argv)
     for name in ("prefix", "questions", "turns", "tokens"):
@@ -112,7 +114,8 @@ async def chat(endpoint: str, a: argparse.Namespace) -> dict[str, Any]:
 
 def run(a: argparse.Namespace, cache: bool) -> dict[str, Any]:
     args = ["--model", a.model, "--devices", a.device, "--dtype", a.dtype, "--kv-pages",
-            str(a.kv_pages), "--max-batch-tokens", str(max(512, a.prefix + 64))]
+            str(a.kv_pages), "--max-batch-tokens", str(max(512, a.prefix + 64)),
+            *shlex.split(a.extra)]
     if not cache:
         args.append("--no-prefix-cache")
     label = "on" if cache else "off"

@@ -171,6 +171,10 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     a("--overlap", default="auto", choices=OVERLAP,
       help="plan each step before the tokens of the one before are back; the worker takes "
       "them from its device (auto: on for CUDA devices, where it pays; off on a CPU)")
+    a("--busy-poll", type=_busy_poll, default=None, metavar="SECONDS",
+      help="after each message, poll sockets in a loop for this long before sleeping: a "
+      "request's first token skips the cold wake of each process it crosses, at the cost of a "
+      "core per process while it spins (default auto: 1 s on CUDA devices, 0 on a CPU)")
     a("--transport-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
     a("--page-size", type=int, default=16, metavar="TOKENS", help="tokens per KV page")
     a("--kv-pages", type=int, default=1024, metavar="N",
@@ -237,6 +241,19 @@ def config_from_args(args: argparse.Namespace):
         insecure=args.insecure, spawn_workers=args.spawn, worker_threads=args.worker_threads,
         log_level=args.log_level,
     )
+
+
+def _busy_poll(value: str) -> float | None:
+    """`--busy-poll`: auto (None) or seconds, 0 to 3600."""
+    if value == "auto":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 3600:
+        raise argparse.ArgumentTypeError(f"must be auto or 0 to 3600 seconds, not {value}")
+    return seconds
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

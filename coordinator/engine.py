@@ -21,6 +21,7 @@ from pathlib import Path
 import zmq
 
 from protocol import security, wire
+from protocol.busy_poll import BusyPoller
 from protocol.errors import ErrorCode
 from protocol.messages import (
     Cancel,
@@ -94,6 +95,7 @@ class EngineCore:
                           f"{reason}") from None
         self.workers = WorkerGroup(self.worker_sock, config, link_keys)
         self.frontends = FrontendGroup(self.ctx, config)
+        self.busy = BusyPoller(config.busy_seconds)  # how the loop waits (--busy-poll)
         w = config.worker
         pool = PageAllocator(w.kv_pages)
         cache = None
@@ -203,7 +205,7 @@ class EngineCore:
         return poller
 
     def _poll(self, poller: zmq.Poller, timeout_ms: int) -> None:
-        events = dict(poller.poll(timeout_ms))
+        events = self.busy.poll(poller, timeout_ms)
         if self.worker_sock in events:
             self._drain(self.worker_sock, "worker", self._on_worker)
         if self.frontends.sock in events:

@@ -30,6 +30,7 @@ from collections import Counter, deque
 import zmq
 
 from protocol import security, wire
+from protocol.busy_poll import BusyPoller
 from protocol.errors import ErrorCode, ProtocolError, RequestError
 from protocol.messages import (
     Abort,
@@ -82,13 +83,15 @@ except (OSError, AttributeError):  # not glibc
 
 class Frontend:
     def __init__(self, core: str, index: int, listen: str, curve_keys: str | None,
-                 insecure: bool, exit_with_parent: bool, http: HttpServer | None = None):
+                 insecure: bool, exit_with_parent: bool, http: HttpServer | None = None,
+                 busy_seconds: float = 0.0):
         security.check_bind(listen, curve_keys, insecure)
         self.index = index
         self.http = http
         self.listen = listen
         self.curve_keys = curve_keys
         self.parent = os.getppid() if exit_with_parent else None
+        self.busy = BusyPoller(busy_seconds)  # how the loop waits (--busy-poll)
         self.ctx = zmq.Context()
         self.auth = self.rejections = None
         self.core = self.ctx.socket(zmq.DEALER)
@@ -154,7 +157,7 @@ class Frontend:
         poller.register(self.prompts.ready, zmq.POLLIN)
         last_beat = last_check = last_trim = 0.0
         while True:
-            events = dict(poller.poll(round(KEEPALIVE_SECONDS * 1000 / 2)))
+            events = self.busy.poll(poller, round(KEEPALIVE_SECONDS * 1000 / 2))
             if self.core in events and self._drain_core():
                 return
             if self.clients in events:
@@ -407,6 +410,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="serve the OpenAI API on this inherited listening socket (its key, if "
                    "any, in SIDING_API_KEY)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--busy-poll", type=float, default=0.0, metavar="SECONDS",
+                   help="after each message, poll in a loop this long before sleeping")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s frontend {a.index} %(levelname)s %(message)s")
@@ -415,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.http_fd is not None:
         http = HttpServer(socket.socket(fileno=a.http_fd), os.environ.pop("SIDING_API_KEY", None))
     frontend = Frontend(a.core, a.index, a.listen, a.curve_keys, a.insecure, a.exit_with_parent,
-                        http)
+                        http, a.busy_poll)
     try:
         frontend.run()
     finally:

@@ -28,6 +28,7 @@ import torch
 import zmq
 
 from protocol import security
+from protocol.busy_poll import BusyPoller, busy_seconds
 from protocol.errors import ProtocolError
 from protocol.messages import (
     Activations,
@@ -84,6 +85,7 @@ class Worker:
         self.first = False  # the first stage: no activations come in (set by _load)
         self.dtype: torch.dtype | None = None
         self.executor: StepExecutor | None = None
+        self.busy = BusyPoller(0.0)  # how it waits for plans (--busy-poll; set by _load)
         self.reset_reason: str | None = None  # a RESET the heartbeat thread received
 
     def _rejected(self) -> None:
@@ -174,6 +176,7 @@ class Worker:
                 security.secure_client(self.push, self.curve_keys)
             self.push.connect(a.next_endpoint)
         self.first, self.dtype = built.runner.first, built.dtype
+        self.busy = BusyPoller(busy_seconds(a.config.busy_poll, [self.device]))
         self.executor = StepExecutor(built.runner, a.rank, built.dtype, built.steps_ahead, metrics,
                                      self._to_coordinator,
                                      self._to_next if self.push is not None else None)
@@ -195,8 +198,8 @@ class Worker:
                 self._start_over(self.reset_reason)
             ex = self.executor
             # With steps on the device, spin: the next plan is enqueued as it comes and each
-            # step's tokens go as they land (worker/overlap.py).
-            events = dict(poller.poll(0 if ex.enqueued else 200))
+            # step's tokens go as they land (worker/overlap.py); without, for --busy-poll.
+            events = self.busy.poll(poller, 0 if ex.enqueued else 200)
             if self.ctl in events:
                 msg = self._recv(self.ctl)
                 if isinstance(msg, Step):

@@ -1,7 +1,7 @@
 """Steps planned ahead (worker/overlap.py; `--overlap on`, which a CPU cluster lacks by
 default): an engine core that plans each sequence's next row on a token still in flight, and a
 worker that takes it from its device, give the same token ids as a layer split, which plans one
-step a stage, with device and host KV, alone and (in exact mode) in a crowd whose batch changes
+step a stage, with device and host KV, with every process busy polling, alone and (in exact mode) in a crowd whose batch changes
 every few steps, and a request that ends on a stop token as well; the counts say so. A pool a
 quarter of the load parks and restores sequences planned ahead and drains, exact tokens kept."""
 
@@ -35,6 +35,8 @@ def stopped(endpoint: str) -> list[int]:
 
 @pytest.mark.parametrize("kv", [
     ("--kv", "device"),
+    # every process polling in a loop between messages (`--busy-poll`, off on a CPU by default)
+    ("--kv", "device", "--busy-poll", "0.5"),
     ("--kv", "host", "--pipeline-depth", "1"),
     # every sequence parked and restored elsewhere every 3 decode steps: a due park waits for
     # the steps in flight, so plans ahead stop and start again around it
