@@ -22,11 +22,11 @@ import torch
 
 from coordinator.config import threads_per_worker
 from coordinator.local_cluster import LocalCluster
-from protocol import AsyncClient
 from worker.build import resolve_dtype
 from worker.loaders import DEFAULT_MODEL, resolve
 from worker.model import ModelArgs
 
+from . import decode_load
 from .report import (
     Series,
     Spread,
@@ -74,7 +74,7 @@ class Sample:
 def timed_batch(
     arm: str, batch: int, repeat: int, start: float, arrivals: list[list[float]]
 ) -> Sample:
-    """arrivals[b]: when each token of sequence b arrived (perf_counter seconds).
+    """arrivals[b]: when each token of sequence b arrived (seconds, the clock of `start`).
 
     Decode counts from the step that gives the batch's last first token: from there every
     sequence decodes, one token a step. When the whole batch prefilled in one step, that is every
@@ -98,44 +98,37 @@ def timed_batch(
 
 
 class SidingArm:
-    """`batch` concurrent streamed requests to a running cluster, timed as tokens reach us;
-    greedy, or drawn with `sampling` (temperature, top_p), each request its own seed."""
+    """`batch` concurrent streamed requests to a running cluster, timed as tokens reach its
+    clients (`decode_load.py`: in this process, or dealt over `procs(batch)` client
+    processes); greedy, or drawn with `sampling` (temperature, top_p), each request its own
+    seed."""
 
     def __init__(self, endpoint: str, prompts: list[list[int]], name: str = "siding",
-                 sampling: dict[str, float] | None = None):
+                 sampling: dict[str, float] | None = None, procs=lambda batch: 1):
         self.endpoint = endpoint
         self.prompts = prompts
         self.name = name  # "siding", or "baseline": a cluster run from another checkout
         self.sampling = sampling or {}
+        self.procs = procs
 
     def run(self, batch: int, tokens: int, repeat: int = -1) -> Sample:
-        return asyncio.run(self._run(batch, tokens, repeat))
-
-    async def _run(self, batch: int, tokens: int, repeat: int) -> Sample:
-        client = AsyncClient(self.endpoint, timeout=600.0)
-        try:
-            await client.status()  # connected before the clock starts
-            start = time.perf_counter()
-            arrivals = await asyncio.gather(
-                *(self._stream(client, prompt, tokens, seed)
-                  for seed, prompt in enumerate(self.prompts[:batch]))
-            )
-        finally:
-            await client.close()
+        requests = list(enumerate(self.prompts[:batch]))
+        procs = min(batch, self.procs(batch))
+        if procs > 1:
+            start, arrivals = decode_load.in_processes(self.endpoint, requests, tokens,
+                                                       self.sampling, procs)
+        else:
+            start, arrivals = asyncio.run(decode_load.streams(self.endpoint, requests, tokens,
+                                                              self.sampling))
         return timed_batch(self.name, batch, repeat, start, arrivals)
 
-    async def _stream(self, client: AsyncClient, prompt: list[int], tokens: int, seed: int
-                      ) -> list[float]:
-        times: list[float] = []
-        options = {**self.sampling, "seed": seed} if self.sampling else {}
-        stream = client.stream(prompt_token_ids=prompt, max_tokens=tokens, ignore_eos=True,
-                               **options)
-        async for chunk in stream:
-            now = time.perf_counter()
-            times += [now] * len(chunk.token_ids)
-        if len(times) != tokens:
-            raise RuntimeError(f"siding streamed {len(times)} tokens where {tokens} were asked")
-        return times
+
+def client_procs(batch: int, given: int | None) -> int:
+    """Client processes for a batch: `--client-procs`, or one per 8 streams, at most half the
+    cores."""
+    if given is not None:
+        return given
+    return min(-(-batch // 8), max(1, (os.cpu_count() or 1) // 2))
 
 
 class HFArm:
@@ -263,8 +256,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="siding runs decode steps eagerly (`siding launch` flag)")
     p.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
                    help="decode steps enqueued ahead of their plan (`siding launch --overlap`)")
+    p.add_argument("--client-procs", type=int, default=None, metavar="N",
+                   help="client processes a batch's streams are dealt over (default: one per "
+                   "8 streams, at most half the cores): one asyncio client reads some 10k "
+                   "chunks a second, less than a GPU cluster streams at batch 32")
     p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
     args = p.parse_args(argv)
+    if args.client_procs is not None and args.client_procs < 1:
+        p.error("--client-procs must be at least 1")
     for name, low in (("context", 1), ("tokens", 2), ("repeats", 1), ("workers", 1)):
         if getattr(args, name) < low:
             p.error(f"--{name} must be at least {low}")
@@ -329,7 +328,8 @@ def main(argv: list[str]) -> None:
                                                if args.baseline else [])]:
             progress(SCENARIO, f"starting {name} ({root or 'this tree'}): {' '.join(launch)}")
             cluster = stack.enter_context(LocalCluster(*launch, root=root))
-            arms.append(SidingArm(cluster.endpoint, prompts.tolist(), name, sampling))
+            arms.append(SidingArm(cluster.endpoint, prompts.tolist(), name, sampling,
+                                  lambda batch: client_procs(batch, args.client_procs)))
         if hf is not None:
             arms.append(hf)
         progress(SCENARIO, "warming up: one full run of each arm and batch size")

@@ -9,6 +9,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -134,6 +135,14 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
         return "  ".join([first, *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))]).rstrip()
 
     return "\n".join(line(row) for row in cells)
+
+
+def expect(proc: subprocess.Popen, word: str) -> None:
+    """The next line a client process writes (stdout) must be `word`."""
+    line = proc.stdout.readline().strip()
+    if line != word:
+        raise RuntimeError(f"a client process said {line!r} where {word!r} was due (its "
+                           "errors, if any, are above)")
 
 
 def progress(scenario: str, message: str) -> None:

@@ -81,6 +81,7 @@ from .proc_cpu import (
 from .report import (
     Series,
     Spread,
+    expect,
     format_table,
     machine_info,
     progress,
@@ -170,13 +171,6 @@ def run_point(spec: dict[str, Any], procs: int, core: int, last_stage: int,
     point["others_cores"] = max(0.0, point["machine_cores"] - ours)  # whole ticks: may dip below
     point["step_busy"] = (end[2] - start[2]) / (t1 - t0)
     return point | cpu_by_kind(point["cpu"], point["output_tokens"])
-
-
-def expect(proc: subprocess.Popen, word: str) -> None:
-    line = proc.stdout.readline().strip()
-    if line != word:
-        raise RuntimeError(f"a client process said {line!r} where {word!r} was due (its "
-                           "errors, if any, are above)")
 
 
 def summarise(records: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """Steps planned ahead (worker/overlap.py; `--overlap on`, which a CPU cluster lacks by
 default): an engine core that plans each sequence's next row on a token still in flight, and a
 worker that takes it from its device, give the same token ids as a layer split, which plans one
-step a stage, with device and host KV, with every process busy polling, alone and (in exact mode) in a crowd whose batch changes
-every few steps, and a request that ends on a stop token as well; the counts say so. A pool a
-quarter of the load parks and restores sequences planned ahead and drains, exact tokens kept."""
+step a stage, with device and host KV, with every process busy polling, alone and (in exact
+mode) in a crowd whose batch changes every few steps, and a request that ends on a stop token as
+well; the counts say so. A pool a quarter of the load parks and restores sequences planned
+ahead and drains, exact tokens kept."""
 
 from __future__ import annotations
 
