@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import sys
 import time
 from typing import Any
 
 from protocol import AsyncClient
 
-from .report import expect
+from .report import client_processes, client_result
 
 START_S = 0.3  # from the go signal to the first request
 
@@ -59,29 +58,10 @@ async def streams(endpoint: str, requests: list[tuple[int, list[int]]], tokens: 
 def in_processes(endpoint: str, requests: list[tuple[int, list[int]]], tokens: int,
                  sampling: dict[str, float], procs: int) -> tuple[float, list[list[float]]]:
     """`streams`, its requests dealt over `procs` client processes that start together."""
-    shares = [requests[k::procs] for k in range(procs)]
-    clients = [subprocess.Popen([sys.executable, "-m", "benchmarks.decode_load"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-               for _ in shares]
-    try:
-        for proc, share in zip(clients, shares):
-            proc.stdin.write(json.dumps({"endpoint": endpoint, "requests": share,
-                                         "tokens": tokens, "sampling": sampling}) + "\n")
-            proc.stdin.flush()
-        for proc in clients:
-            expect(proc, "ready")
-        begin = time.monotonic() + START_S
-        for proc in clients:
-            proc.stdin.write(f"{begin!r}\n")
-            proc.stdin.close()
-        per_proc = [json.loads(proc.stdout.read()) for proc in clients]
-        for proc in clients:
-            if proc.wait():
-                raise RuntimeError(f"a client process exited with status {proc.returncode}")
-    finally:
-        for proc in clients:
-            if proc.poll() is None:
-                proc.kill()
+    shares = [{"endpoint": endpoint, "requests": requests[k::procs], "tokens": tokens,
+               "sampling": sampling} for k in range(procs)]
+    with client_processes("benchmarks.decode_load", shares, START_S) as (clients, _):
+        per_proc = [client_result(proc) for proc in clients]
     arrivals: list[list[float]] = [[] for _ in requests]
     for k, share in enumerate(per_proc):
         arrivals[k::procs] = share["arrivals"]

@@ -4,6 +4,7 @@ and PNG plot under `bench-results/<scenario>-<timestamp>.*`, and the table it pr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -12,7 +13,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,42 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
         return "  ".join([first, *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))]).rstrip()
 
     return "\n".join(line(row) for row in cells)
+
+
+@contextlib.contextmanager
+def client_processes(module: str, shares: Sequence[Any], start_s: float, cwd: str | None = None,
+                     env: dict[str, str] | None = None) -> Iterator[tuple[list, float]]:
+    """Client processes (`python -m module`) started together, one per share (a JSON line on its
+    stdin): each says `ready` once connected, then reads the moment to begin, `start_s` after
+    the last is ready (a time.monotonic() value: one clock for every process of the machine).
+    Yields (the processes, that moment); any still running at the end is killed."""
+    clients = [subprocess.Popen([sys.executable, "-m", module], cwd=cwd, env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for _ in shares]
+    try:
+        for proc, share in zip(clients, shares):
+            proc.stdin.write(json.dumps(share) + "\n")
+            proc.stdin.flush()
+        for proc in clients:
+            expect(proc, "ready")
+        begin = time.monotonic() + start_s
+        for proc in clients:
+            proc.stdin.write(f"{begin!r}\n")
+            proc.stdin.close()
+        yield clients, begin
+    finally:
+        for proc in clients:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def client_result(proc: subprocess.Popen) -> Any:
+    """The JSON a client process wrote last, once it has exited cleanly."""
+    result = json.loads(proc.stdout.read())
+    if proc.wait():
+        raise RuntimeError(f"a client process exited with status {proc.returncode}")
+    return result
 
 
 def expect(proc: subprocess.Popen, word: str) -> None:

@@ -48,11 +48,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import os
 import random
 import shlex
-import subprocess
 import sys
 import time
 import urllib.request
@@ -81,6 +79,8 @@ from .proc_cpu import (
 from .report import (
     Series,
     Spread,
+    client_processes,
+    client_result,
     expect,
     format_table,
     machine_info,
@@ -121,20 +121,8 @@ def run_point(spec: dict[str, Any], procs: int, core: int, last_stage: int,
         else:
             share["arrivals"] = spec["arrivals"][k::procs]
         shares.append(share)
-    clients = [subprocess.Popen([sys.executable, "-m", "benchmarks.serve_load"], cwd=root,
-                                env=checkout_env(root), stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
-               for _ in shares]
-    try:
-        for proc, share in zip(clients, shares):
-            proc.stdin.write(json.dumps(share) + "\n")
-            proc.stdin.flush()
-        for proc in clients:
-            expect(proc, "ready")
-        begin = time.monotonic() + START_S
-        for proc in clients:
-            proc.stdin.write(f"{begin!r}\n")
-            proc.stdin.close()
+    with client_processes("benchmarks.serve_load", shares, START_S, root,
+                          checkout_env(root)) as (clients, begin):
         t0 = begin + spec["warmup"]
         time.sleep(max(0.0, t0 - time.monotonic()))
         names = cluster_processes(core) | {p.pid: f"bench client {k}"
@@ -152,16 +140,7 @@ def run_point(spec: dict[str, Any], procs: int, core: int, last_stage: int,
             expect(proc, "done")
         if spec["duration"] is None:
             end = snapshot()
-        records = []
-        for proc in clients:
-            records += json.loads(proc.stdout.read())
-            if proc.wait():
-                raise RuntimeError(f"a client process exited with status {proc.returncode}")
-    finally:
-        for proc in clients:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        records = [r for proc in clients for r in client_result(proc)]
     if spec["duration"] is None:
         t1 = max(r["end"] for r in records if r["sent"] >= t0)
     point = summarise(records, t0, t1)

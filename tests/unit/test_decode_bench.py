@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks import decode, decode_load
+from benchmarks import decode, decode_load, report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,14 +49,14 @@ def test_drawn_decode_sends_each_request_its_sampling_and_a_seed(tmp_path, monke
 
 def test_a_batch_dealt_over_client_processes_times_every_token(tmp_path, monkeypatch):
     started = []
-    popen = decode_load.subprocess.Popen
+    popen = report.subprocess.Popen
 
     def spy(cmd, *args, **kwargs):
         if "benchmarks.decode_load" in cmd:
             started.append(cmd)
         return popen(cmd, *args, **kwargs)
 
-    monkeypatch.setattr(decode_load.subprocess, "Popen", spy)
+    monkeypatch.setattr(report.subprocess, "Popen", spy)
     decode.main(["--model", "synthetic:tiny", "--device", "cpu", "--batch-sizes", "1,3",
                  "--context", "8", "--tokens", "5", "--repeats", "1", "--no-hf",
                  "--client-procs", "2", "--out", str(tmp_path)])
