@@ -11,7 +11,7 @@ import sys
 import threading
 from dataclasses import asdict, fields
 
-from protocol.messages import DTYPES, KV_MODES, OVERLAP, WorkerConfig
+from protocol.worker_config import DTYPES, KV_MODES, OVERLAP, WorkerConfig
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from protocol.busy_poll import busy_seconds
-from protocol.messages import WorkerConfig
+from protocol.worker_config import WorkerConfig
 
 
 def threads_per_worker(workers: int) -> int:

@@ -35,9 +35,9 @@ from protocol.messages import (
     StepError,
     StepResult,
     Submit,
-    steps_ahead,
 )
 from protocol.wire import MAX_MESSAGE_BYTES
+from protocol.worker_config import steps_ahead
 
 from .config import CoordinatorConfig
 from .frontends import FrontendGroup

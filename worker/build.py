@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.messages import ModelInfo, WorkerConfig, steps_ahead
+from protocol.busy_poll import busy_seconds
+from protocol.messages import ModelInfo
+from protocol.worker_config import WorkerConfig, steps_ahead
 
 from .attention import choose_attention
 from .cuda_graphs import StepGraphs
@@ -50,6 +52,7 @@ class BuiltWorker:
     runner: ModelRunner
     steps_ahead: int  # plans taken ahead of the steps before them (worker/overlap.py)
     kv_bytes_per_page: int
+    busy_seconds: float  # how long it polls in a loop after a message (protocol/busy_poll.py)
 
 
 def build(config: WorkerConfig, rank: int, n_workers: int, device: str,
@@ -89,7 +92,8 @@ def build(config: WorkerConfig, rank: int, n_workers: int, device: str,
             graphs.prepare()  # no request of up to PREPARED_ROWS rows pays for a capture
     runner = ModelRunner(stage, pool, park, device, graphs)
     return BuiltWorker(source, (start, end), dtype, runner,
-                       steps_ahead(c.overlap, device, c.kv), pool.bytes_per_page)
+                       steps_ahead(c.overlap, device, c.kv), pool.bytes_per_page,
+                       busy_seconds(c.busy_poll, [device]))
 
 
 def check_memory(c: WorkerConfig, page_bytes: int, device: str) -> None:

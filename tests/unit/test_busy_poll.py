@@ -11,7 +11,7 @@ import zmq
 from coordinator.cli import build_parser
 from coordinator.config import CoordinatorConfig
 from protocol.busy_poll import AUTO_SECONDS, BusyPoller, busy_seconds
-from protocol.messages import WorkerConfig
+from protocol.worker_config import WorkerConfig
 
 
 @pytest.fixture
