@@ -15,6 +15,7 @@ import io
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -104,7 +105,8 @@ class SidingArm:
     seed."""
 
     def __init__(self, endpoint: str, prompts: list[list[int]], name: str = "siding",
-                 sampling: dict[str, float] | None = None, procs=lambda batch: 1):
+                 sampling: dict[str, float] | None = None,
+                 procs: Callable[[int], int] = lambda batch: 1):
         self.endpoint = endpoint
         self.prompts = prompts
         self.name = name  # "siding", or "baseline": a cluster run from another checkout

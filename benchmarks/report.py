@@ -168,10 +168,11 @@ def client_processes(module: str, shares: Sequence[Any], start_s: float, cwd: st
 
 def client_result(proc: subprocess.Popen) -> Any:
     """The JSON a client process wrote last, once it has exited cleanly."""
-    result = json.loads(proc.stdout.read())
+    out = proc.stdout.read()
     if proc.wait():
-        raise RuntimeError(f"a client process exited with status {proc.returncode}")
-    return result
+        raise RuntimeError(f"a client process exited with status {proc.returncode} (its "
+                           "errors are above)")
+    return json.loads(out)
 
 
 def expect(proc: subprocess.Popen, word: str) -> None:

@@ -174,7 +174,8 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     a("--busy-poll", type=_busy_poll, default=None, metavar="SECONDS",
       help="after each message, poll sockets in a loop for this long before sleeping: a "
       "request's first token skips the cold wake of each process it crosses, at the cost of a "
-      "core per process while it spins (default auto: 1 s on CUDA devices, 0 on a CPU)")
+      "core per process while it spins (default auto: 1 s where --devices names CUDA devices, "
+      "else 0; a remote worker decides by its own device)")
     a("--transport-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
     a("--page-size", type=int, default=16, metavar="TOKENS", help="tokens per KV page")
     a("--kv-pages", type=int, default=1024, metavar="N",
@@ -244,16 +245,13 @@ def config_from_args(args: argparse.Namespace):
 
 
 def _busy_poll(value: str) -> float | None:
-    """`--busy-poll`: auto (None) or seconds, 0 to 3600."""
+    """`--busy-poll`: auto (None) or seconds (their range is WorkerConfig's to check)."""
     if value == "auto":
         return None
     try:
-        seconds = float(value)
+        return float(value)
     except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds <= 3600:
-        raise argparse.ArgumentTypeError(f"must be auto or 0 to 3600 seconds, not {value}")
-    return seconds
+        raise argparse.ArgumentTypeError(f"must be auto or seconds, not {value}") from None
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

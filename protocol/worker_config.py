@@ -11,6 +11,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_PAGES = 1 << 24  # KV pages or park slots of one pool
 KV_MODES = ("device", "host")
 OVERLAP = ("auto", "on", "off")
+MAX_BUSY_POLL = 3600.0  # seconds
 # Steps the engine core plans ahead of the one a worker that is the whole pipeline runs
 # (worker/overlap.py): beside it, this many more are in flight.
 STEPS_AHEAD = 2
@@ -45,7 +46,7 @@ class WorkerConfig:
     overlap: str = wire_field("auto", max_len=8)  # steps enqueued ahead (auto: on for CUDA)
     # seconds a process polls in a loop after a message before it sleeps (None: auto, 1 s on
     # CUDA, else 0; protocol/busy_poll.py); the core and frontends follow the same setting
-    busy_poll: float | None = wire_field(None, lo=0.0, hi=3600.0)
+    busy_poll: float | None = wire_field(None, lo=0.0, hi=MAX_BUSY_POLL)
     page_size: int = wire_field(16, lo=1, hi=4096)
     kv_pages: int = wire_field(1024, lo=1, hi=1 << 31)
     park_pages: int | None = wire_field(None, lo=0, hi=1 << 31)  # park store slots (None: kv_pages)
@@ -72,6 +73,9 @@ class WorkerConfig:
                                 ("--max-batch-tokens", self.max_batch_tokens, 1)]:
             if value < lo:
                 raise ValueError(f"{flag} must be at least {lo}, not {value}")
+        if self.busy_poll is not None and not 0 <= self.busy_poll <= MAX_BUSY_POLL:
+            raise ValueError(f"--busy-poll must be auto or 0 to {MAX_BUSY_POLL:g} seconds, not "
+                             f"{self.busy_poll}")
         if self.page_size > 4096:
             raise ValueError(f"--page-size must be at most 4096, not {self.page_size}")
         for flag, value in [("--kv-pages", self.kv_pages), ("--park-pages", self.park_pages)]:

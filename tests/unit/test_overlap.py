@@ -10,16 +10,8 @@ import pytest
 import torch
 from helpers.ring import pools
 
-from protocol.messages import (
-    STEPS_AHEAD,
-    PageMove,
-    SeqPlan,
-    Step,
-    StepError,
-    StepResult,
-    WorkerConfig,
-    steps_ahead,
-)
+from protocol.messages import PageMove, SeqPlan, Step, StepError, StepResult
+from protocol.worker_config import STEPS_AHEAD, WorkerConfig, steps_ahead
 from worker.executor import StepExecutor
 from worker.kv.park_store import ParkStore
 from worker.loaders.synthetic import SyntheticSource
