@@ -174,8 +174,8 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     a("--busy-poll", type=_busy_poll, default=None, metavar="SECONDS",
       help="after each message, poll sockets in a loop for this long before sleeping: a "
       "request's first token skips the cold wake of each process it crosses, at the cost of a "
-      "core per process while it spins (default auto: 1 s where --devices names CUDA devices, "
-      "else 0; a remote worker decides by its own device)")
+      "core per process while it spins (default auto: 1 s where the workers run on CUDA "
+      "devices, else 0)")
     a("--transport-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
     a("--page-size", type=int, default=16, metavar="TOKENS", help="tokens per KV page")
     a("--kv-pages", type=int, default=1024, metavar="N",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from protocol.busy_poll import busy_seconds
 from protocol.worker_config import WorkerConfig
 
 
@@ -49,12 +48,6 @@ class CoordinatorConfig:
         if len(self.devices) == 1 and self.workers > 1:
             self.devices = self.devices * self.workers
         self.validate()
-
-    @property
-    def busy_seconds(self) -> float:
-        """How long the engine core and the frontends poll in a loop after a message
-        (`--busy-poll`, protocol/busy_poll.py)."""
-        return busy_seconds(self.worker.busy_poll, self.devices)
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:

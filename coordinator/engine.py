@@ -21,7 +21,7 @@ from pathlib import Path
 import zmq
 
 from protocol import security, wire
-from protocol.busy_poll import BusyPoller
+from protocol.busy_poll import BusyPoller, busy_seconds
 from protocol.errors import ErrorCode
 from protocol.messages import (
     Cancel,
@@ -95,7 +95,8 @@ class EngineCore:
                           f"{reason}") from None
         self.workers = WorkerGroup(self.worker_sock, config, link_keys)
         self.frontends = FrontendGroup(self.ctx, config)
-        self.busy = BusyPoller(config.busy_seconds)  # how the loop waits (--busy-poll)
+        # how the loop waits: --busy-poll, auto resolved once the workers' devices are known
+        self.busy = BusyPoller(0.0)
         w = config.worker
         pool = PageAllocator(w.kv_pages)
         cache = None
@@ -149,8 +150,9 @@ class EngineCore:
         self.model = self.workers.model
         self.scheduler.set_model(frozenset(self.model.eos_ids), self.model.max_context)
         w = self.config.worker
+        self.busy.seconds = busy_seconds(w.busy_poll, self.workers.devices)
         self.frontends.serve(Serve(model=self.model, kv_pages=w.kv_pages, page_size=w.page_size,
-                                   exact=w.exact))
+                                   exact=w.exact, busy_poll=self.busy.seconds))
         self.metrics.workers_up.set(self.workers.n_up)
         self.outage_since = self.outage_reason = None
         log.info("%d workers ready", self.workers.n_up)

@@ -83,15 +83,14 @@ except (OSError, AttributeError):  # not glibc
 
 class Frontend:
     def __init__(self, core: str, index: int, listen: str, curve_keys: str | None,
-                 insecure: bool, exit_with_parent: bool, http: HttpServer | None = None,
-                 busy_seconds: float = 0.0):
+                 insecure: bool, exit_with_parent: bool, http: HttpServer | None = None):
         security.check_bind(listen, curve_keys, insecure)
         self.index = index
         self.http = http
         self.listen = listen
         self.curve_keys = curve_keys
         self.parent = os.getppid() if exit_with_parent else None
-        self.busy = BusyPoller(busy_seconds)  # how the loop waits (--busy-poll)
+        self.busy = BusyPoller(0.0)  # how the loop waits (--busy-poll: SERVE says how long)
         self.ctx = zmq.Context()
         self.auth = self.rejections = None
         self.core = self.ctx.socket(zmq.DEALER)
@@ -121,7 +120,7 @@ class Frontend:
             if self.core.poll(500):
                 msg, _ = self._recv_core()
                 if isinstance(msg, Serve):
-                    self.serve_msg = msg
+                    self._on_serve(msg)
                 elif isinstance(msg, Shutdown):
                     return
             if time.monotonic() - self.last_to_core >= HEARTBEAT_SECONDS:
@@ -137,6 +136,10 @@ class Frontend:
         self._to_core(Listening(index=self.index, endpoint=endpoint))
         gc.freeze()  # the tokenizer and template live on: collections need not scan them again
         self._serve()
+
+    def _on_serve(self, msg: Serve) -> None:
+        self.serve_msg = msg
+        self.busy.seconds = msg.busy_poll
 
     def _bind(self, endpoint: str) -> zmq.Socket:
         s = self.ctx.socket(zmq.ROUTER)
@@ -410,8 +413,6 @@ def main(argv: list[str] | None = None) -> None:
                    help="serve the OpenAI API on this inherited listening socket (its key, if "
                    "any, in SIDING_API_KEY)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    p.add_argument("--busy-poll", type=float, default=0.0, metavar="SECONDS",
-                   help="after each message, poll in a loop this long before sleeping")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s frontend {a.index} %(levelname)s %(message)s")
@@ -420,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.http_fd is not None:
         http = HttpServer(socket.socket(fileno=a.http_fd), os.environ.pop("SIDING_API_KEY", None))
     frontend = Frontend(a.core, a.index, a.listen, a.curve_keys, a.insecure, a.exit_with_parent,
-                        http, a.busy_poll)
+                        http)
     try:
         frontend.run()
     finally:

@@ -99,7 +99,7 @@ class FrontendGroup:
         c = self.config
         cmd = [sys.executable, "-m", "coordinator.frontend", "--core", self.endpoint,
                "--index", str(h.index), "--listen", h.listen, "--exit-with-parent",
-               "--log-level", c.log_level, "--busy-poll", str(c.busy_seconds)]
+               "--log-level", c.log_level]
         if c.curve_keys:
             cmd += ["--curve-keys", c.curve_keys]
         if c.insecure:

@@ -252,6 +252,11 @@ class WorkerGroup:
         return sum(h.kv_bytes_per_page for h in self.handles)
 
     @property
+    def devices(self) -> list[str]:
+        """The devices the workers said they run on (local or remote alike)."""
+        return [h.reg.device for h in self.handles]
+
+    @property
     def n_up(self) -> int:
         return sum(h.alive and h.ready for h in self.handles)
 

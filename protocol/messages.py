@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from .errors import ProtocolError
 from .schema import wire_field
-from .worker_config import WorkerConfig
+from .worker_config import MAX_BUSY_POLL, WorkerConfig
 
 
 class MsgType(IntEnum):
@@ -345,6 +345,9 @@ class Serve:
     kv_pages: int = wire_field(1, lo=1)
     page_size: int = wire_field(1, lo=1)
     exact: bool = wire_field(False)  # the cluster runs in exact mode (HTTP responses say so)
+    # seconds a frontend polls in a loop after a message (`--busy-poll`, as the core resolved
+    # it against the workers' devices)
+    busy_poll: float = wire_field(0.0, lo=0.0, hi=MAX_BUSY_POLL)
 
 
 @dataclass(slots=True)

@@ -45,7 +45,8 @@ class WorkerConfig:
     cuda_graphs: bool = wire_field(True)  # CUDA steps replayed from graphs (worker/cuda_graphs.py)
     overlap: str = wire_field("auto", max_len=8)  # steps enqueued ahead (auto: on for CUDA)
     # seconds a process polls in a loop after a message before it sleeps (None: auto, 1 s on
-    # CUDA, else 0; protocol/busy_poll.py); the core and frontends follow the same setting
+    # CUDA, else 0; protocol/busy_poll.py), each worker by its own device; the engine core and
+    # the frontends follow it too, auto by the devices the workers report
     busy_poll: float | None = wire_field(None, lo=0.0, hi=MAX_BUSY_POLL)
     page_size: int = wire_field(16, lo=1, hi=4096)
     kv_pages: int = wire_field(1024, lo=1, hi=1 << 31)

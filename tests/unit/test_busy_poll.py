@@ -11,6 +11,8 @@ import zmq
 from coordinator.cli import build_parser
 from coordinator.config import CoordinatorConfig
 from protocol.busy_poll import AUTO_SECONDS, BusyPoller, busy_seconds
+from protocol.messages import Serve
+from protocol.wire import decode, encode
 from protocol.worker_config import WorkerConfig
 
 
@@ -38,9 +40,6 @@ def test_auto_spins_on_cuda_clusters_only_and_a_number_is_taken_as_given():
     assert busy_seconds(None, ["cuda:0"]) == AUTO_SECONDS > 0
     assert busy_seconds(0.0, ["cuda:0"]) == 0.0
     assert busy_seconds(2.5, ["cpu"]) == 2.5
-    assert CoordinatorConfig(devices=["cuda:0"]).busy_seconds == AUTO_SECONDS
-    assert CoordinatorConfig(worker=WorkerConfig(busy_poll=0.0),
-                             devices=["cuda:0"]).busy_seconds == 0.0
 
 
 @pytest.mark.parametrize("value, seconds", [([], None), (["--busy-poll", "auto"], None),
@@ -95,25 +94,19 @@ def test_within_the_window_it_looks_in_a_loop_and_past_it_it_sleeps():
     assert poller.looks == 0 and poller.waits == [50]
 
 
-def test_each_process_of_a_cluster_gets_the_window(monkeypatch):
-    from coordinator.frontends import FrontendGroup
+def test_frontends_take_the_window_the_core_sends_and_workers_resolve_their_own():
+    from coordinator.frontend import Frontend
     from worker.build import build
     from worker.metrics import WorkerMetrics
 
-    spawned = []
-    monkeypatch.setattr("coordinator.frontends.subprocess.Popen",
-                        lambda cmd, **kw: spawned.append(cmd))
-    ctx = zmq.Context()
+    (serve, _) = decode(encode(Serve(kv_pages=8, page_size=16, busy_poll=0.5)))
+    frontend = Frontend("inproc://core", 0, "tcp://127.0.0.1:0", None, False, False)
     try:
-        for devices, setting, seconds in [(["cuda:0"], None, "1.0"), (["cpu"], None, "0.0"),
-                                          (["cpu"], 0.25, "0.25")]:
-            config = CoordinatorConfig(worker=WorkerConfig(busy_poll=setting), devices=devices,
-                                       listen="tcp://127.0.0.1:0")
-            FrontendGroup(ctx, config).spawn_all()
-            cmd = spawned.pop()
-            assert cmd[cmd.index("--busy-poll") + 1] == seconds
+        assert frontend.busy.seconds == 0.0  # nothing spins before the core says
+        frontend._on_serve(serve)
+        assert frontend.busy.seconds == 0.5 and frontend.serve_msg is serve
     finally:
-        ctx.destroy(linger=0)
+        frontend.close()
     for setting, seconds in [(None, 0.0), (0.25, 0.25)]:  # a CPU worker's own: auto is 0
         config = WorkerConfig(model="synthetic:tiny", kv_pages=16, busy_poll=setting)
         assert build(config, 0, 1, "cpu", WorkerMetrics(0, "cpu", 1, False)).busy_seconds \
