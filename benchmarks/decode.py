@@ -15,7 +15,6 @@ import io
 import os
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -100,13 +99,12 @@ def timed_batch(
 
 class SidingArm:
     """`batch` concurrent streamed requests to a running cluster, timed as tokens reach its
-    clients (`decode_load.py`: in this process, or dealt over `procs(batch)` client
-    processes); greedy, or drawn with `sampling` (temperature, top_p), each request its own
-    seed."""
+    clients (`decode_load.py`: in this process, or dealt over `client_procs(batch, procs)`
+    client processes, `procs` being `--client-procs`); greedy, or drawn with `sampling`
+    (temperature, top_p), each request its own seed."""
 
     def __init__(self, endpoint: str, prompts: list[list[int]], name: str = "siding",
-                 sampling: dict[str, float] | None = None,
-                 procs: Callable[[int], int] = lambda batch: 1):
+                 sampling: dict[str, float] | None = None, procs: int | None = 1):
         self.endpoint = endpoint
         self.prompts = prompts
         self.name = name  # "siding", or "baseline": a cluster run from another checkout
@@ -115,7 +113,7 @@ class SidingArm:
 
     def run(self, batch: int, tokens: int, repeat: int = -1) -> Sample:
         requests = list(enumerate(self.prompts[:batch]))
-        procs = min(batch, self.procs(batch))
+        procs = min(batch, client_procs(batch, self.procs))
         if procs > 1:
             start, arrivals = decode_load.in_processes(self.endpoint, requests, tokens,
                                                        self.sampling, procs)
@@ -331,7 +329,7 @@ def main(argv: list[str]) -> None:
             progress(SCENARIO, f"starting {name} ({root or 'this tree'}): {' '.join(launch)}")
             cluster = stack.enter_context(LocalCluster(*launch, root=root))
             arms.append(SidingArm(cluster.endpoint, prompts.tolist(), name, sampling,
-                                  lambda batch: client_procs(batch, args.client_procs)))
+                                  args.client_procs))
         if hf is not None:
             arms.append(hf)
         progress(SCENARIO, "warming up: one full run of each arm and batch size")

@@ -176,7 +176,7 @@ class Worker:
                 security.secure_client(self.push, self.curve_keys)
             self.push.connect(a.next_endpoint)
         self.first, self.dtype = built.runner.first, built.dtype
-        self.busy = BusyPoller(built.busy_seconds)
+        self.busy.seconds = built.busy_seconds
         self.executor = StepExecutor(built.runner, a.rank, built.dtype, built.steps_ahead, metrics,
                                      self._to_coordinator,
                                      self._to_next if self.push is not None else None)
