@@ -235,6 +235,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--len-dist", default="fixed", choices=["fixed", "uniform"],
                    help="uniform: each length in [len/2, 3*len/2]")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--streams-per-socket", type=int, default=1,
+                   help="closed loop, zmq: streams of a client process sharing one AsyncClient "
+                   "(as an application multiplexes them); 1: a socket each")
     p.add_argument("--client-procs", type=int, default=0,
                    help="client processes (0: 1 up to 64 streams, else min(8, cores/2))")
     p.add_argument("--inprocess-steps", type=int, default=64,
@@ -254,7 +257,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if a.mode == "open" and a.requests_per_client is not None:
         p.error("--requests-per-client is for the closed loop")
     for name in ("prompt_len", "output_len", "workers", "frontends", "inprocess_steps",
-                 "requests_per_client"):
+                 "requests_per_client", "streams_per_socket"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if a.duration <= 0 or a.warmup < 0:
@@ -303,7 +306,8 @@ def main(argv: list[str]) -> None:
             "output_len": a.output_len, "len_dist": a.len_dist, "seed": a.seed,
             "vocab_size": model_args.vocab_size,
             "duration": a.duration if a.requests_per_client is None else None,
-            "requests_per_client": a.requests_per_client}
+            "requests_per_client": a.requests_per_client,
+            "streams_per_socket": a.streams_per_socket}
     machine = machine_info(str(device))
     arms = {"siding": None, **({"baseline": a.baseline} if a.baseline else {})}
     runs = [(arm, api) for arm in arms for api in (a.api if arm == "siding" else ["zmq"])]

@@ -96,12 +96,17 @@ class HttpLoad:
         await self.client.close()
 
 
-def load_clients(api: str, endpoints: list[str], keys) -> dict[Any, ZmqLoad | HttpLoad]:
+def load_clients(api: str, endpoints: list[str], keys,
+                 per_socket: int = 1) -> dict[Any, ZmqLoad | HttpLoad]:
     """A client for each of `keys` (closed loop: each stream; open: each endpoint), key i on
-    endpoint i % N: a socket each for siding's client, one shared pool per endpoint for HTTP."""
+    endpoint i % N: for siding's client a socket each, or one per `per_socket` keys in turn
+    (streams multiplexed as an application's would be); one shared pool per endpoint for
+    HTTP."""
     keys = list(keys)
     if api == "zmq":
-        return {k: ZmqLoad(endpoints[i % len(endpoints)]) for i, k in enumerate(keys)}
+        sockets = [ZmqLoad(endpoints[g % len(endpoints)])
+                   for g in range(-(-len(keys) // per_socket))]
+        return {k: sockets[i // per_socket] for i, k in enumerate(keys)}
     shared = {e: HttpLoad(e) for e in endpoints}
     return {k: shared[endpoints[i % len(endpoints)]] for i, k in enumerate(keys)}
 
@@ -146,7 +151,8 @@ async def run_load(spec: dict[str, Any]) -> list[dict[str, Any]]:
     t1 = None if spec["duration"] is None else t0 + spec["duration"]
     records: list[dict[str, Any]] = []
     if spec["mode"] == "closed":
-        clients = load_clients(spec["api"], endpoints, spec["clients"])
+        clients = load_clients(spec["api"], endpoints, spec["clients"],
+                               spec.get("streams_per_socket", 1))
         n = spec["concurrency"]
         tasks = [closed_client(client, records, c, spec, begin + spec["warmup"] / 2 * c / n,
                                t0, t1) for c, client in clients.items()]

@@ -254,21 +254,37 @@ class Frontend:
                 self.by_client.pop((out.client, out.msg.request_id), None)
                 self._send(out.client, Error(code=f.code, message=f.message,
                                              request_id=out.msg.request_id))
-        for out in touched.values():
-            self._emit(out)
+        self._emit(touched.values())
 
-    def _emit(self, out: RequestOutput) -> None:
-        """Stream what is new, and send the result once the core has ended every choice."""
-        if out.msg.stream:
-            for frames in out.chunks():
-                if not self._send_frames(out.client, frames):
-                    return
-            out.last_sent = time.monotonic()
-        if out.done:
+    def _emit(self, outs) -> None:
+        """Stream what is new, and send each result once the core has ended every choice. A
+        client that asked for CHUNKS gets one message for all its streams' chunks of the step
+        (then their results); chunks of any other request go one by one."""
+        now = time.monotonic()
+        batched: dict[bytes, list[bytes]] = {}
+        done = []
+        for out in outs:
+            if out.key not in self.requests:
+                continue  # its client went away during this loop: its requests were aborted
+            if out.msg.stream and (headers := out.chunks()):
+                out.last_sent = now
+                if out.msg.batched_chunks:
+                    batched.setdefault(out.client, []).extend(headers)
+                else:
+                    for header in headers:
+                        self._send_frames(out.client, wire.chunk_frames(header))
+            if out.done:
+                done.append(out)
+        for client, headers in batched.items():
+            for frames in wire.chunk_messages(headers):
+                self._send_frames(client, frames)
+        for out in done:
+            if out.key not in self.requests:
+                continue  # as above
             self._forget(out)
             self._send(out.client, out.result())
             if log.isEnabledFor(logging.INFO):
-                log.info("%s", out.log_line(time.monotonic()))
+                log.info("%s", out.log_line(now))
 
     def _forget(self, out: RequestOutput) -> None:
         self.requests.pop(out.key, None)
@@ -375,14 +391,13 @@ class Frontend:
             arrival=arrival, client=identity.hex() if msg.user is None else "user:" + msg.user),
             [array("i", prompt).tobytes()])
 
-    def _send(self, identity: bytes, msg) -> bool:
-        return self._send_frames(identity, encode(msg))
+    def _send(self, identity: bytes, msg) -> None:
+        self._send_frames(identity, encode(msg))
 
-    def _send_frames(self, identity: bytes, frames: list[bytes]) -> bool:
+    def _send_frames(self, identity: bytes, frames: list[bytes]) -> None:
         """Send to a client; a client that is gone or not reading loses its requests."""
         try:
             wire.send(self.clients, [identity, *frames], zmq.NOBLOCK)
-            return True
         except zmq.ZMQError as e:
             if e.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
                 raise
@@ -391,7 +406,6 @@ class Frontend:
                 self._to_core(Cancel(key=out.key, reason="abort"))
             self.prompts.cancel(identity)
             log.info("client %s went away; its requests were aborted", identity.hex())
-            return False
 
     def _keepalive(self, now: float) -> None:
         for out in [*self.requests.values(), *self.prompts.pending.values()]:

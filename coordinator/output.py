@@ -73,8 +73,8 @@ class RequestOutput:
             c.finish_reason = reason
         c.ended, c.preemptions = True, preemptions
 
-    def chunks(self) -> list[list[bytes]]:
-        """CHUNK messages (their frames) for what each choice produced since the last call."""
+    def chunks(self) -> list[bytes]:
+        """Chunks (`ChunkFrames.header`s) for what each choice produced since the last call."""
         out = []
         for c in self.choices:
             done = c.finish_reason is not None
@@ -82,7 +82,7 @@ class RequestOutput:
             if c.final_sent or not (new_tokens or done):
                 continue
             upto = len(c.text) if done else max(c.sent_text, len(c.text) - self.hold)
-            out.append(c.frames.encode(new_tokens, c.text[c.sent_text:upto], c.finish_reason))
+            out.append(c.frames.header(new_tokens, c.text[c.sent_text:upto], c.finish_reason))
             c.sent_tokens, c.sent_text, c.final_sent = len(c.token_ids), upto, done
         return out
 

@@ -21,6 +21,7 @@ from .messages import (
     Abort,
     Choice,
     Chunk,
+    Chunks,
     Error,
     Generate,
     Result,
@@ -113,6 +114,7 @@ def build_generate(
         "n": n,
         "stream": stream,
         "user": user,
+        "batched_chunks": True,  # Replies.deliver reads CHUNKS
     }
     msg = from_header(Generate, header)
     msg.check()
@@ -156,6 +158,10 @@ class Replies:
         return self._queues.pop(key, None) is not None
 
     def deliver(self, msg: Any) -> None:
+        if isinstance(msg, Chunks):
+            for chunk in msg.chunks:
+                self._put(chunk.request_id, chunk)
+            return
         if isinstance(msg, Chunk) and not (msg.token_ids or msg.text or msg.finish_reason):
             return  # a keepalive, which non-streaming requests get too
         if isinstance(msg, Error) and msg.request_id is None:

@@ -21,6 +21,7 @@ class MsgType(IntEnum):
     CHUNK = 0x11
     RESULT = 0x12
     STATUS_REPLY = 0x13
+    CHUNKS = 0x14  # several requests' chunks of one step, to a client that asked for them so
     ERROR = 0x1F
     # worker <-> coordinator
     REGISTER = 0x21
@@ -80,6 +81,9 @@ class Generate:
     n: int = wire_field(1, lo=1, hi=64)
     stream: bool = wire_field(False)
     user: str | None = wire_field(None, max_len=256)  # whom the fair queue counts it for
+    # the client reads CHUNKS: this request's chunks may come with others' of the same step in
+    # one message (`build_generate` asks for it; a client that omits it gets CHUNK only)
+    batched_chunks: bool = wire_field(False)
 
     def check(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
@@ -121,6 +125,15 @@ class Chunk:
     token_ids: list[int] = wire_field([], max_len=MAX_TOKENS_LIST)
     text: str = wire_field("", max_len=MAX_TEXT)
     finish_reason: str | None = wire_field(None, max_len=32)  # set on a choice's last chunk
+
+
+@dataclass(slots=True)
+class Chunks:
+    """One step's chunks for the requests of one client connection that set `batched_chunks`,
+    in one message instead of one each: a frontend's and a client's cost per streamed token is
+    mostly the message's, not its contents'."""
+    TYPE: ClassVar[MsgType] = MsgType.CHUNKS
+    chunks: list[Chunk] = wire_field([], max_len=MAX_LIST)
 
 
 @dataclass(slots=True)
@@ -432,7 +445,7 @@ class Report:
 MESSAGES: dict[MsgType, type] = {
     cls.TYPE: cls
     for cls in (
-        Generate, Abort, Status, Chunk, Result, StatusReply, Error, Register, Assign, Ready,
+        Generate, Abort, Status, Chunk, Chunks, Result, StatusReply, Error, Register, Assign, Ready,
         Heartbeat, Step, StepResult, StepError, Shutdown, Reset, Activations, FrontendHello,
         Serve, Listening, Submit, Cancel, Outputs, Report,
     )

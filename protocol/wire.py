@@ -7,14 +7,14 @@ maps, lists, strings, numbers, booleans and None. Nothing on any socket is unpic
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgpack
 import zmq
 
 from .errors import ProtocolError
-from .messages import FRAMES, MESSAGES, MsgType, Step
+from .messages import FRAMES, MAX_LIST, MESSAGES, MsgType, Step
 from .schema import from_header, to_header
 from .step_frames import FRAMES as STEP_FRAMES
 from .step_frames import decode_step, encode_step
@@ -118,10 +118,36 @@ class ChunkFrames:
         self.head = b"".join([b"\x85", self.pack("request_id"), self.pack(request_id),
                               self.pack("index"), self.pack(index), self.pack("token_ids")])
 
+    def header(self, token_ids: list[int], text: str = "",
+               finish_reason: str | None = None) -> bytes:
+        """The msgpack map of `Chunk(request_id, index, token_ids, text, finish_reason)`."""
+        pack = self.pack
+        return b"".join([self.head, pack(token_ids), self._TEXT, pack(text), self._FINISH,
+                         pack(finish_reason)])
+
     def encode(self, token_ids: list[int], text: str = "",
                finish_reason: str | None = None) -> list[bytes]:
         """The frames of `Chunk(request_id, index, token_ids, text, finish_reason)`."""
-        pack = self.pack
-        header = b"".join([self.head, pack(token_ids), self._TEXT, pack(text), self._FINISH,
-                           pack(finish_reason)])
-        return [VERSION, self._TYPE, header]
+        return chunk_frames(self.header(token_ids, text, finish_reason))
+
+
+_CHUNK = bytes([MsgType.CHUNK])
+_CHUNKS = bytes([MsgType.CHUNKS])
+_CHUNKS_KEY = b"\x81" + msgpack.packb("chunks")  # a map of one field, "chunks"
+_array_header = msgpack.Packer().pack_array_header
+
+
+def chunk_frames(header: bytes) -> list[bytes]:
+    """A CHUNK message of one `ChunkFrames.header`."""
+    return [VERSION, _CHUNK, header]
+
+
+def chunk_messages(headers: list[bytes]) -> Iterator[list[bytes]]:
+    """`ChunkFrames.header`s for one client as few messages: a CHUNK for one, else CHUNKS of at
+    most MAX_LIST each."""
+    if len(headers) == 1:
+        yield chunk_frames(headers[0])
+        return
+    for i in range(0, len(headers), MAX_LIST):
+        part = headers[i:i + MAX_LIST]
+        yield [VERSION, _CHUNKS, b"".join([_CHUNKS_KEY, _array_header(len(part)), *part])]

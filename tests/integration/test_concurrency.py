@@ -7,8 +7,8 @@ import pytest
 import zmq
 
 from protocol import Client, RequestError
-from protocol.messages import Generate
-from protocol.wire import encode
+from protocol.messages import Chunk, Chunks, Error, Generate
+from protocol.wire import decode, encode
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):",
            "The three primary colors are", "My favourite food is", "Water boils at",
@@ -59,6 +59,42 @@ def test_32_concurrent_streaming_clients_all_complete(cluster):
         assert all(ch.finish_reason is None for ch in chunks[:-1])
         assert ids == solo[prompt]
     assert wait_for_pages(cluster.endpoint, 0) == 0
+
+
+def test_one_connections_streams_share_a_chunks_message_only_if_they_ask(cluster):
+    """Eight streams on one socket, half asking for CHUNKS: each step's chunks of those come in
+    one message, the others' one by one, and both give the same ids and text as the result."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.endpoint)
+    batched = {f"b{i}" for i in range(4)}
+    for i in range(4):
+        for rid in (f"b{i}", f"u{i}"):
+            sock.send_multipart(encode(Generate(
+                request_id=rid, prompt=PROMPTS[i], max_tokens=12, ignore_eos=True, stream=True,
+                stop=["."], batched_chunks=rid in batched)))
+    streamed = {rid: ([], "") for i in range(4) for rid in (f"b{i}", f"u{i}")}
+    results, shared = {}, []
+    while len(results) < 8:
+        assert sock.poll(60_000), "a reply is missing"
+        msg, _ = decode(sock.recv_multipart())
+        assert not isinstance(msg, Error), msg
+        if isinstance(msg, Chunks):
+            assert {c.request_id for c in msg.chunks} <= batched
+            shared.append(len({c.request_id for c in msg.chunks}))
+        for c in msg.chunks if isinstance(msg, Chunks) else [msg]:
+            if isinstance(c, Chunk):
+                assert c.request_id not in results, "a chunk after its result"
+                ids, text = streamed[c.request_id]
+                streamed[c.request_id] = (ids + c.token_ids, text + c.text)
+            else:
+                results[c.request_id] = c
+    sock.close()
+    assert max(shared) > 1  # the batched streams' steps came together
+    for rid, r in results.items():
+        assert streamed[rid] == (r.choices[0].token_ids, r.choices[0].text)
+    for i in range(4):
+        assert results[f"b{i}"].choices == results[f"u{i}"].choices
 
 
 def test_client_that_disconnects_mid_stream_frees_its_pages(cluster):

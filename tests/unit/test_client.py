@@ -22,6 +22,7 @@ from protocol.messages import (
     ChatMessage,
     Choice,
     Chunk,
+    Chunks,
     Error,
     Generate,
     Result,
@@ -122,7 +123,8 @@ def test_generate_returns_the_result_and_ignores_keepalives_and_strangers(serve)
     )
     assert (r.token_ids, r.text, r.finish_reason) == ([5, 6], "ab", "length")
     assert server.next() == Generate(
-        request_id="r1", prompt="Hello", max_tokens=2, stop=["\n"], seed=7, stream=False
+        request_id="r1", prompt="Hello", max_tokens=2, stop=["\n"], seed=7, stream=False,
+        batched_chunks=True,
     )
     assert server.nothing_more()  # no Abort for a request that finished
 
@@ -182,6 +184,24 @@ def test_an_open_stream_keeps_its_chunks_while_another_call_runs(serve):
         assert next(a) == Chunk("a", 0, [1], "1")
         assert c.generate("B", request_id="b").text == "7"
         assert list(a) == [Chunk("a", 0, [2], "2"), Chunk("a", 0, [3], "3")]
+
+
+def test_a_chunks_message_reaches_each_stream_it_carries(serve):
+    def script(msg):
+        if msg.request_id == "a":  # b is not open yet: its chunk is dropped
+            return [Chunks([Chunk("a", 0, [1], "1"), Chunk("b", 0, [9], "x")])]
+        return [Chunks([Chunk("a", 0, [3], "3", "length"), Chunk("b", 0, [2], "2")]),
+                result("a", [1, 3], "13"), Chunk("b", 0, [4], "4", "length"),
+                result("b", [2, 4], "24")]
+
+    server = serve(script)
+    with Client(server.endpoint, timeout=5) as c:
+        a = c.stream("A", request_id="a")
+        assert next(a) == Chunk("a", 0, [1], "1")
+        b = c.stream("B", request_id="b")
+        assert list(b) == [Chunk("b", 0, [2], "2"), Chunk("b", 0, [4], "4", "length")]
+        assert list(a) == [Chunk("a", 0, [3], "3", "length")]
+    assert server.next().batched_chunks  # the library asks for CHUNKS
 
 
 def test_chat_sends_messages(serve):

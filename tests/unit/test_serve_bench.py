@@ -98,6 +98,20 @@ def test_window_counts_its_tokens_and_times_the_requests_sent_in_it():
     assert [r["tokens"] for r in p["requests"]] == [3, 2, 0, 1]
 
 
+@pytest.mark.parametrize("per_socket,sockets", [(1, 5), (2, 3), (8, 1)])
+def test_streams_share_sockets_in_groups_spread_over_the_endpoints(per_socket, sockets):
+    endpoints = ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
+    clients = serve_load.load_clients("zmq", endpoints, [3, 5, 7, 9, 11], per_socket)
+    try:
+        distinct = list({id(c): c for c in clients.values()}.values())
+        assert len(distinct) == sockets
+        assert (clients[5] is clients[3]) == (per_socket > 1)
+        assert [c.client.endpoint for c in distinct] == [endpoints[i % 2] for i in range(sockets)]
+    finally:
+        for c in clients.values():
+            c.client._socket.close(linger=0)
+
+
 def test_a_closed_loop_run_streams_every_token_and_charges_the_core_cpu(tmp_path, capsys):
     """Through both APIs on one cluster: siding's client and the OpenAI API."""
     serve.main(["--model", "synthetic:tiny", "--concurrency", "2", "--duration", "3",

@@ -21,6 +21,7 @@ from protocol.messages import (
     ChatMessage,
     Choice,
     Chunk,
+    Chunks,
     Error,
     Failed,
     Finished,
@@ -62,6 +63,7 @@ SAMPLES = [
     Abort("r1"),
     Status(),
     Chunk("r1", 1, [5, 6], "ab", "stop"),
+    Chunks([Chunk("r1", 1, [5, 6], "ab", "stop"), Chunk("r2", 0, [7], "", None)]),
     Result("r1", [1, 2], [Choice(0, [5], "a", "length", 2)], Usage(2, 1)),
     StatusReply({"workers": [{"rank": 0, "free": 1.5}], "ok": True, "none": None}),
     Error("too_long", "does not fit", "r1"),
@@ -299,6 +301,23 @@ def test_chunk_frames_encode_the_chunk_the_dataclass_does(tokens, text, finish):
     frames = ChunkFrames("r" * 128, 63).encode(tokens, text, finish)
     assert decode(frames) == (Chunk("r" * 128, 63, tokens, text, finish), [])
     assert frames == encode(Chunk("r" * 128, 63, tokens, text, finish))
+
+
+def test_chunk_messages_put_a_clients_chunks_in_one_chunks_message(monkeypatch):
+    from protocol import wire
+
+    chunks = [Chunk(f"r{i}", i % 3, [i, 2**40], "hé 你好" * i, "stop" if i % 2 else None)
+              for i in range(5)]
+    headers = [wire.ChunkFrames(c.request_id, c.index).header(c.token_ids, c.text,
+                                                              c.finish_reason) for c in chunks]
+    (one,) = wire.chunk_messages(headers[:1])
+    assert one == encode(chunks[0])  # one chunk stays a CHUNK
+    (batch,) = wire.chunk_messages(headers)
+    assert batch == encode(Chunks(chunks))
+    assert decode(batch) == (Chunks(chunks), [])
+    monkeypatch.setattr(wire, "MAX_LIST", 2)  # a client's list limit splits a long batch
+    parts = [decode(m)[0] for m in wire.chunk_messages(headers)]
+    assert parts == [Chunks(chunks[:2]), Chunks(chunks[2:4]), Chunks(chunks[4:])]
 
 
 def test_send_delivers_what_send_multipart_does():
