@@ -27,7 +27,9 @@ from typing import Any
 
 from coordinator.local_cluster import LocalCluster
 from protocol import AsyncClient
+from worker.loaders import resolve
 
+from .decode import LOWEST_PROMPT_ID
 from .report import (
     Series,
     Spread,
@@ -64,11 +66,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("prefix", "questions", "turns", "tokens"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    a.vocab = resolve(a.model).args.vocab_size  # prompt ids stay below it
     return a
 
 
-def ids(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(100, 30000) for _ in range(n)]
+def ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    """Random prompt ids of a model whose vocabulary is `vocab` ids (the same ids for any
+    vocabulary of 30,000 or more)."""
+    return [rng.randrange(LOWEST_PROMPT_ID, min(30000, vocab)) for _ in range(n)]
 
 
 async def first_token(c: AsyncClient, prompt: list[int], tokens: int
@@ -87,10 +92,10 @@ async def first_token(c: AsyncClient, prompt: list[int], tokens: int
 
 async def shared_prefix(endpoint: str, a: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(1)
-    prefix = ids(rng, a.prefix)
-    questions = [ids(rng, QUESTION_TOKENS) for _ in range(a.questions)]
+    prefix = ids(rng, a.prefix, a.vocab)
+    questions = [ids(rng, QUESTION_TOKENS, a.vocab) for _ in range(a.questions)]
     async with AsyncClient(endpoint, timeout=1800) as c:
-        first, _ = await first_token(c, prefix + ids(rng, QUESTION_TOKENS), a.tokens)
+        first, _ = await first_token(c, prefix + ids(rng, QUESTION_TOKENS, a.vocab), a.tokens)
         alone = [(await first_token(c, prefix + q, a.tokens))[0] for q in questions]
         t0 = time.perf_counter()
         await asyncio.gather(*(c.generate(prompt_token_ids=prefix + q, max_tokens=a.tokens,
@@ -102,13 +107,13 @@ async def shared_prefix(endpoint: str, a: argparse.Namespace) -> dict[str, Any]:
 
 async def chat(endpoint: str, a: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(2)
-    conversation = ids(rng, TURN_TOKENS)
+    conversation = ids(rng, TURN_TOKENS, a.vocab)
     ttfts = []
     async with AsyncClient(endpoint, timeout=1800) as c:
         for _ in range(a.turns):
             ttft, reply = await first_token(c, conversation, a.tokens)
             ttfts.append(ttft)
-            conversation += reply + ids(rng, TURN_TOKENS)
+            conversation += reply + ids(rng, TURN_TOKENS, a.vocab)
     return {"ttft_s": ttfts, "last_prompt_tokens": len(conversation) - TURN_TOKENS}
 
 

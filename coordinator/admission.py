@@ -3,7 +3,10 @@ the model knows, and a size that can ever fit the model's context and the KV poo
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import asdict
+
+import numpy as np
 
 from protocol.errors import ErrorCode, RequestError
 from protocol.messages import Generate, ModelInfo
@@ -12,9 +15,12 @@ from .page_allocator import pages_for
 from .text import TextCodec
 
 
-def prompt_ids(msg: Generate, codec: TextCodec) -> list[int]:
+def prompt_ids(msg: Generate, codec: TextCodec) -> list[int] | array:
+    """The prompt's token ids: the request's own (an array("I") when they came as its frame,
+    kept so: `Submit` sends its bytes on), or its text or chat tokenized."""
     if msg.prompt_token_ids is not None:
-        return list(msg.prompt_token_ids)
+        ids = msg.prompt_token_ids
+        return ids if isinstance(ids, array) else list(ids)
     try:
         if msg.messages is not None:
             return codec.encode(codec.render_chat([asdict(m) for m in msg.messages]), bos=False)
@@ -24,10 +30,10 @@ def prompt_ids(msg: Generate, codec: TextCodec) -> list[int]:
                            f"cannot tokenize the prompt: {e}") from None
 
 
-def check_fits(prompt: list[int], msg: Generate, model: ModelInfo, kv_pages: int,
+def check_fits(prompt: list[int] | array, msg: Generate, model: ModelInfo, kv_pages: int,
                page_size: int) -> None:
     """`too_long` for a request that can never run, whatever else is running."""
-    if max(prompt, default=0) >= model.vocab_size:
+    if largest(prompt) >= model.vocab_size:
         raise RequestError(ErrorCode.INVALID_REQUEST,
                            f"token ids must be below the vocabulary size {model.vocab_size}")
     ctx = model.max_context
@@ -40,3 +46,15 @@ def check_fits(prompt: list[int], msg: Generate, model: ModelInfo, kv_pages: int
             ErrorCode.TOO_LONG,
             f"{len(prompt)} prompt tokens + max_tokens {msg.max_tokens} need {need} KV "
             f"pages; the pool has {kv_pages}")
+
+
+def largest(ids: list[int] | array) -> int:
+    """The largest id (0 for none); an array("I")'s in one vectorised pass."""
+    if isinstance(ids, array):
+        return int(np.frombuffer(ids, np.uint32).max()) if len(ids) else 0
+    return max(ids, default=0)
+
+
+def prompt_bytes(ids: list[int] | array) -> bytes:
+    """A checked prompt as SUBMIT's raw frame of int32 ids (an array("I")'s bytes are those)."""
+    return ids.tobytes() if isinstance(ids, array) else array("i", ids).tobytes()

@@ -50,7 +50,7 @@ from protocol.messages import (
 )
 from protocol.wire import MAX_CLIENT_MESSAGE_BYTES, MAX_MESSAGE_BYTES, decode, encode
 
-from .admission import check_fits, prompt_ids
+from .admission import check_fits, prompt_bytes, prompt_ids
 from .http.server import HttpServer
 from .output import RequestOutput
 from .prompts import INLINE_CHARS, PromptJob, PromptTokenizer, text_chars
@@ -374,7 +374,8 @@ class Frontend:
             self._send(job.client, Error(code=e.code, message=e.message,
                                          request_id=job.msg.request_id))
 
-    def _submit(self, identity: bytes, msg: Generate, arrival: float, prompt: list[int]) -> None:
+    def _submit(self, identity: bytes, msg: Generate, arrival: float,
+                prompt: list[int] | array) -> None:
         """A tokenized request: checked against the context and the pool, then to the core."""
         s = self.serve_msg
         check_fits(prompt, msg, s.model, s.kv_pages, s.page_size)
@@ -389,7 +390,7 @@ class Frontend:
             temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed,
             stop_token_ids=msg.stop_token_ids, ignore_eos=msg.ignore_eos, priority=msg.priority,
             arrival=arrival, client=identity.hex() if msg.user is None else "user:" + msg.user),
-            [array("i", prompt).tobytes()])
+            [prompt_bytes(prompt)])
 
     def _send(self, identity: bytes, msg) -> None:
         self._send_frames(identity, encode(msg))

@@ -5,6 +5,7 @@ sockets, no scheduling."""
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from protocol.messages import Choice, Generate, Result, Usage
@@ -29,7 +30,7 @@ class ChoiceText:
 
 
 class RequestOutput:
-    def __init__(self, key: int, client: bytes, msg: Generate, prompt_ids: list[int],
+    def __init__(self, key: int, client: bytes, msg: Generate, prompt_ids: list[int] | array,
                  codec: TextCodec):
         self.key = key
         self.client = client  # the client's ROUTER identity
@@ -97,7 +98,7 @@ class RequestOutput:
 
     def result(self) -> Result:
         return Result(
-            request_id=self.msg.request_id, prompt_token_ids=self.prompt_ids,
+            request_id=self.msg.request_id, prompt_token_ids=list(self.prompt_ids),
             choices=[Choice(index=c.index, token_ids=c.token_ids, text=c.text,
                             finish_reason=c.finish_reason, preemptions=c.preemptions)
                      for c in self.choices],

@@ -9,6 +9,7 @@ import itertools
 import queue
 import time
 import uuid
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -18,6 +19,7 @@ import zmq
 
 from .errors import ErrorCode, ProtocolError, RequestError
 from .messages import (
+    MAX_TOKENS_LIST,
     Abort,
     Choice,
     Chunk,
@@ -97,10 +99,11 @@ def build_generate(
     fair between users (by default, between client connections). Bad options raise
     ProtocolError (`invalid_request`) before anything is sent.
     """
+    ids = None if prompt_token_ids is None else token_ids(prompt_token_ids)
     header = {
         "request_id": uuid.uuid4().hex if request_id is None else request_id,
         "prompt": prompt,
-        "prompt_token_ids": None if prompt_token_ids is None else list(prompt_token_ids),
+        "prompt_token_ids": None,  # `ids`, set below: a list would be checked id by id
         "messages": None if messages is None else list(messages),
         "max_tokens": max_tokens,
         "temperature": temperature,
@@ -117,8 +120,23 @@ def build_generate(
         "batched_chunks": True,  # Replies.deliver reads CHUNKS
     }
     msg = from_header(Generate, header)
+    msg.prompt_token_ids = ids
     msg.check()
     return msg
+
+
+def token_ids(ids: Sequence[int]) -> array:
+    """Prompt ids as they travel (`wire.prompt_frame`), checked in one pass: integers (numpy's
+    too), none negative, at most MAX_TOKENS_LIST."""
+    try:
+        out = ids if isinstance(ids, array) and ids.typecode == "I" else array("I", ids)
+    except OverflowError:
+        raise ProtocolError("token ids must not be negative (nor above 2**32 - 1)") from None
+    except TypeError:
+        raise ProtocolError("field 'prompt_token_ids' must hold integers") from None
+    if len(out) > MAX_TOKENS_LIST:
+        raise ProtocolError(f"field 'prompt_token_ids' is longer than {MAX_TOKENS_LIST}")
+    return out
 
 
 def completion(result: Result) -> Completion:

@@ -67,6 +67,8 @@ class Generate:
     TYPE: ClassVar[MsgType] = MsgType.GENERATE
     request_id: str = wire_field(max_len=MAX_ID)
     prompt: str | None = wire_field(None, max_len=MAX_TEXT)
+    # In the header as a list, or (what `wire.encode` sends) as the message's raw frame of
+    # uint32 ids, which `wire.decode` gives as an array("I"): no per-id work on either side.
     prompt_token_ids: list[int] | None = wire_field(None, max_len=MAX_TOKENS_LIST)
     messages: list[ChatMessage] | None = wire_field(None, max_len=4096)
     max_tokens: int = wire_field(16, lo=1, hi=1 << 24)
@@ -89,7 +91,8 @@ class Generate:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
         if sum(given) != 1:
             raise ProtocolError("give exactly one of prompt, prompt_token_ids or messages")
-        if self.prompt == "" or self.prompt_token_ids == [] or self.messages == []:
+        ids = self.prompt_token_ids
+        if self.prompt == "" or (ids is not None and not len(ids)) or self.messages == []:
             raise ProtocolError("the prompt is empty")
         if self.top_p <= 0.0:
             raise ProtocolError("top_p must be in (0, 1]")
@@ -102,7 +105,9 @@ class Generate:
                 total := sum(len(m.content) for m in self.messages)) > MAX_TEXT:
             raise ProtocolError(f"field 'messages' holds {total} characters of content; the "
                                 f"limit is {MAX_TEXT} in all")
-        if min(self.stop_token_ids, default=0) < 0 or min(self.prompt_token_ids or (0,)) < 0:
+        # an array("I") of ids (from a frame) holds none below 0
+        if min(self.stop_token_ids, default=0) < 0 or (
+                type(ids) is list and min(ids, default=0) < 0):
             raise ProtocolError("token ids must not be negative")
 
 

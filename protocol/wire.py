@@ -7,6 +7,7 @@ maps, lists, strings, numbers, booleans and None. Nothing on any socket is unpic
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ import msgpack
 import zmq
 
 from .errors import ProtocolError
-from .messages import FRAMES, MAX_LIST, MESSAGES, MsgType, Step
+from .messages import FRAMES, MAX_LIST, MAX_TOKENS_LIST, MESSAGES, Generate, MsgType, Step
 from .schema import from_header, to_header
 from .step_frames import FRAMES as STEP_FRAMES
 from .step_frames import decode_step, encode_step
@@ -28,12 +29,29 @@ MAX_CLIENT_MESSAGE_BYTES = 16 << 20
 
 
 def encode(msg: Any, frames: Sequence[bytes | memoryview] = ()) -> list[bytes | memoryview]:
-    """A message's frames; `frames`: its raw frames (a STEP makes its own)."""
+    """A message's frames; `frames`: its raw frames (a STEP and a GENERATE of token ids make
+    their own)."""
     if type(msg) is Step:
         fields, frames = encode_step(msg)
     else:
         fields = to_header(msg)
+        if type(msg) is Generate and (frame := prompt_frame(msg.prompt_token_ids)) is not None:
+            fields["prompt_token_ids"], frames = None, [frame]
     return [VERSION, bytes([msg.TYPE]), msgpack.packb(fields, use_bin_type=True), *frames]
+
+
+def prompt_frame(ids: Any) -> bytes | None:
+    """A GENERATE's prompt ids as its raw frame: native (little-endian) uint32, as a SUBMIT's,
+    or None to keep them in the header (none given, or some no uint32 can hold: the receiver
+    refuses those, with its own message)."""
+    if isinstance(ids, array) and ids.typecode == "I":
+        return ids.tobytes()
+    if ids is None:
+        return None
+    try:
+        return array("I", ids).tobytes()
+    except (OverflowError, TypeError):
+        return None
 
 
 def decode(parts: Sequence[Any]) -> tuple[Any, list[memoryview]]:
@@ -50,7 +68,11 @@ def decode(parts: Sequence[Any]) -> tuple[Any, list[memoryview]]:
         raise ProtocolError("header too large")
     frames = [memoryview(_bytes(p)) for p in parts[3:]]
     expected = STEP_FRAMES if msg_type is MsgType.STEP else FRAMES.get(msg_type, 0)
-    if len(frames) != expected:
+    if msg_type is MsgType.GENERATE:
+        if len(frames) > 1:
+            raise ProtocolError(f"GENERATE carries at most 1 raw frame (its prompt ids), got "
+                                f"{len(frames)}")
+    elif len(frames) != expected:
         raise ProtocolError(f"{msg_type.name} carries {expected} raw frames, got {len(frames)}")
     try:
         fields = msgpack.unpackb(header, raw=False, strict_map_key=True, use_list=True)
@@ -61,7 +83,25 @@ def decode(parts: Sequence[Any]) -> tuple[Any, list[memoryview]]:
         raise ProtocolError(f"malformed msgpack header ({detail[:160]})") from None
     if msg_type is MsgType.STEP:
         return decode_step(fields, frames), []
-    return from_header(MESSAGES[msg_type], fields), frames
+    msg = from_header(MESSAGES[msg_type], fields)
+    if msg_type is MsgType.GENERATE and frames:
+        msg.prompt_token_ids = _prompt_ids(msg, frames[0])
+        return msg, []
+    return msg, frames
+
+
+def _prompt_ids(msg: Generate, frame: memoryview) -> array:
+    """A GENERATE's prompt ids from its raw frame (see `prompt_frame`)."""
+    if msg.prompt_token_ids is not None:
+        raise ProtocolError("a GENERATE's prompt ids come in its header or its frame, not both")
+    ids = array("I")
+    if len(frame) % ids.itemsize:
+        raise ProtocolError(f"a GENERATE's prompt frame holds {ids.itemsize}-byte ids; "
+                            f"{len(frame)} bytes is not a whole number of them")
+    if len(frame) // ids.itemsize > MAX_TOKENS_LIST:
+        raise ProtocolError(f"field 'prompt_token_ids' is longer than {MAX_TOKENS_LIST}")
+    ids.frombytes(frame)
+    return ids
 
 
 def _bytes(part: Any) -> bytes | memoryview:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import struct
+from array import array
 from typing import Any
 
 import msgpack
@@ -58,6 +59,7 @@ from protocol.wire import VERSION, decode, encode
 CASES = 3000
 VALID = [  # seeds: one of each type, with nested fields filled in
     Generate(request_id="r", messages=[ChatMessage("user", "Hi")], stop=["x"], seed=3, n=2),
+    Generate(request_id="r", prompt_token_ids=array("I", [1, 2, 3])),  # a frame of ids
     Abort("r"),
     Status(),
     Chunk("r", 0, [5], "a", "stop"),

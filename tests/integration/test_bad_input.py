@@ -4,6 +4,7 @@ import os
 import pickle
 import threading
 import time
+from array import array
 
 import msgpack
 import pytest
@@ -56,6 +57,12 @@ CASES = {
                                                         "sneaky": 1})],
     "extra_raw_frame": [VERSION, GENERATE, msgpack.packb({"request_id": "a", "prompt": "x"}),
                         b"extra"],
+    "ragged_prompt_frame": [VERSION, GENERATE, msgpack.packb({"request_id": "a"}), b"\x01" * 6],
+    "prompt_ids_twice": [VERSION, GENERATE, msgpack.packb({"request_id": "a",
+                                                           "prompt_token_ids": [1]}),
+                         array("I", [1]).tobytes()],
+    "two_raw_frames": [VERSION, GENERATE, msgpack.packb({"request_id": "a"}),
+                       array("I", [1]).tobytes(), array("I", [2]).tobytes()],
 }
 
 
@@ -92,6 +99,21 @@ def test_impossible_requests_get_a_clear_error(cluster, kwargs, code, words):
             c.generate(prompt, **kwargs)
     assert e.value.code == code
     assert words in e.value.message
+
+
+def test_prompt_ids_in_a_frame_are_checked_as_in_a_header(cluster):
+    """A raw frame of ids (how the client library sends them) meets the header's checks: an
+    id the model lacks, a negative one (huge, read as unsigned), and an empty prompt."""
+    for ids, words in (([1, 2, 10**6], "vocabulary"), ([5, -1], "vocabulary"), ([], "empty")):
+        err = error_of(raw_exchange(cluster.endpoint, [
+            VERSION, GENERATE, msgpack.packb({"request_id": "f", "max_tokens": 2}),
+            array("i", ids).tobytes()]))
+        assert (err["code"], err["request_id"]) == ("invalid_request", "f")
+        assert words in err["message"]
+    with Client(cluster.endpoint, timeout=60) as c:  # and the frame form serves
+        r = c.generate(prompt_token_ids=[504, 3458, 282, 4649, 314], max_tokens=4,
+                       ignore_eos=True)
+    assert r.prompt_token_ids == [504, 3458, 282, 4649, 314] and len(r.token_ids) == 4
 
 
 def test_bad_input_does_not_disturb_a_request_in_flight(cluster):

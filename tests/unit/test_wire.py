@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+from array import array
 from pathlib import Path
 
 import msgpack
@@ -30,6 +31,7 @@ from protocol.messages import (
     Heartbeat,
     Listening,
     ModelInfo,
+    MsgType,
     Outputs,
     PageCopy,
     PageMove,
@@ -59,7 +61,7 @@ SAMPLES = [
         top_p=0.95, top_k=40, seed=7, stop=["\n"], stop_token_ids=[2], ignore_eos=True,
         priority=-3, n=2, stream=True,
     ),
-    Generate(request_id="r2", prompt_token_ids=[1, 2, 3]),
+    Generate(request_id="r2", prompt_token_ids=array("I", [1, 2, 3])),  # as decode gives
     Abort("r1"),
     Status(),
     Chunk("r1", 1, [5, 6], "ab", "stop"),
@@ -198,7 +200,13 @@ REJECTED = {
                            "field 'status' holds a Timestamp"),
     "missing raw frame": (parts(0x31, {"step": 0, "dtype": "f32", "shape": [1]}),
                           "ACTIVATIONS carries 1 raw frames, got 0"),
-    "extra raw frame": (parts(0x01, GENERATE, [b"tensor"]), "GENERATE carries 0 raw frames, got 1"),
+    "extra raw frame": (parts(0x02, {"request_id": "a"}, [b"tensor"]),
+                        "ABORT carries 0 raw frames, got 1"),
+    "two prompt frames": (parts(0x01, GENERATE, [b"1234", b"5678"]),
+                          "GENERATE carries at most 1 raw frame (its prompt ids), got 2"),
+    "ragged prompt frame": (parts(0x01, {"request_id": "a"}, [b"12345"]),
+                            "a GENERATE's prompt frame holds 4-byte ids; 5 bytes is not a whole "
+                            "number of them"),
     **{f"step: {name}": (parts(0x25, {"step": 1, **header}, columns(*cols)), expected)
        for name, (header, cols, expected) in {
            "frames missing": ({}, [[]], "STEP carries 3 raw frames, got 1"),
@@ -301,6 +309,43 @@ def test_chunk_frames_encode_the_chunk_the_dataclass_does(tokens, text, finish):
     frames = ChunkFrames("r" * 128, 63).encode(tokens, text, finish)
     assert decode(frames) == (Chunk("r" * 128, 63, tokens, text, finish), [])
     assert frames == encode(Chunk("r" * 128, 63, tokens, text, finish))
+
+
+def test_prompt_ids_travel_as_a_uint32_frame_and_still_come_in_a_header(monkeypatch):
+    from protocol import wire
+
+    parts = encode(Generate(request_id="r", prompt_token_ids=[7, 2**32 - 1, 0]))
+    assert msgpack.unpackb(parts[2])["prompt_token_ids"] is None
+    assert parts[3:] == [array("I", [7, 2**32 - 1, 0]).tobytes()]
+    msg, frames = decode(parts)
+    assert (msg.prompt_token_ids, frames) == (array("I", [7, 2**32 - 1, 0]), [])
+    header = [VERSION, bytes([MsgType.GENERATE]),
+              msgpack.packb({"request_id": "r", "prompt_token_ids": [7, 8]})]
+    assert decode(header)[0].prompt_token_ids == [7, 8]  # a client that lists them
+    # ids no uint32 holds stay in the header, where the receiver refuses them by name
+    assert len(encode(Generate(request_id="r", prompt_token_ids=[-1]))) == 3
+    bad = [([*header, b"\0" * 4], "header or its frame, not both"),
+           ([*header[:2], msgpack.packb({"request_id": "r"}), b"\0" * 7], "whole number")]
+    for parts, words in bad:
+        with pytest.raises(ProtocolError, match=words):
+            decode(parts)
+    monkeypatch.setattr(wire, "MAX_TOKENS_LIST", 2)
+    with pytest.raises(ProtocolError, match="longer than 2"):
+        decode(encode(Generate(request_id="r", prompt_token_ids=[1, 2, 3])))
+
+
+def test_build_generate_checks_prompt_ids_in_one_pass():
+    import numpy as np
+
+    from protocol.client import build_generate
+
+    msg = build_generate(prompt_token_ids=np.arange(3, dtype=np.int64))
+    assert msg.prompt_token_ids == array("I", [0, 1, 2])  # numpy's ints are ints
+    for ids, words in (([1, -1], "must not be negative"), ([2**32], "must not be negative"),
+                       ([1.0], "must hold integers"), (["1"], "must hold integers"),
+                       ([], "empty")):
+        with pytest.raises(ProtocolError, match=words):
+            build_generate(prompt_token_ids=ids)
 
 
 def test_chunk_messages_put_a_clients_chunks_in_one_chunks_message(monkeypatch):
