@@ -30,10 +30,13 @@ from .sequence import Sequence
 ID_BYTES = array("i").itemsize
 
 
-def packed_pages(tokens: list[int], page_size: int) -> list[bytes]:
+def packed_pages(tokens: list[int], page_size: int, packed: bytes = b"") -> list[bytes]:
     """The ids of each full page of `tokens` (int32, as they cross the wire), packed once for
-    all the pages rather than a page at a time."""
-    ids = array("i", tokens[:len(tokens) - len(tokens) % page_size]).tobytes()
+    all the pages rather than a page at a time. `packed`: the first ids of `tokens` already so
+    (a request's prompt, as its SUBMIT brought it): only the ids past them are packed."""
+    n = len(tokens) - len(tokens) % page_size
+    known = min(len(packed) // ID_BYTES, n)
+    ids = packed[:known * ID_BYTES] + array("i", tokens[known:n]).tobytes()
     size = page_size * ID_BYTES
     return [ids[i:i + size] for i in range(0, len(ids), size)]
 
@@ -72,7 +75,7 @@ class PrefixCache:
         self.queried += len(seq.token_ids)
         keys: list[bytes] = []
         parent = self.root
-        for page in packed_pages(seq.token_ids[:limit], p):
+        for page in packed_pages(seq.token_ids[:limit], p, seq.request.prompt_bytes):
             key = self.child.get((parent, page))
             if key is None:
                 break

@@ -60,7 +60,7 @@ class Requests:
                                 f"this client has {self.max_queued_per_client} requests queued "
                                 "already (--max-queued-per-client)")
         req = Request(frontend=frontend, key=msg.key, params=msg, prompt_ids=prompt.tolist(),
-                      arrival=msg.arrival, client=msg.client)
+                      arrival=msg.arrival, client=msg.client, prompt_bytes=bytes(frame))
         self.queued[msg.client] += 1
         self.scheduler.add_request(req)
         self.live[(frontend, msg.key)] = req

@@ -19,6 +19,7 @@ class Request:
     prompt_ids: list[int]
     arrival: float  # time.monotonic() when its frontend received it
     client: str = ""  # who sent it, for the fair queue and the per-client bound
+    prompt_bytes: bytes = b""  # `prompt_ids` as int32, as its SUBMIT brought them
     seqs: list[Sequence] = field(default_factory=list)
     first_token_time: float | None = None
     last_token_time: float | None = None

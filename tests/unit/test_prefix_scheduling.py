@@ -4,6 +4,8 @@ used first, reclaimed before anyone is preempted, forgotten when the workers los
 
 from __future__ import annotations
 
+from array import array
+
 from coordinator.page_allocator import PageAllocator
 from coordinator.prefix_cache import PrefixCache, packed_pages, page_key
 from coordinator.schedule import Schedule
@@ -22,9 +24,11 @@ def scheduler(pages: int = 64, max_seqs: int = 8, max_tokens: int = 512,
 
 
 def request(key: int, prompt: list[int], max_tokens: int = 2, n: int = 1) -> Request:
+    """As the core makes one: with the prompt's ids packed as its SUBMIT brought them."""
     return Request(frontend=0, key=key,
                    params=Submit(key=key, max_tokens=max_tokens, n=n, temperature=1.0 if n > 1
-                                 else 0.0), prompt_ids=list(prompt), arrival=float(key))
+                                 else 0.0), prompt_ids=list(prompt), arrival=float(key),
+                   prompt_bytes=array("i", prompt).tobytes())
 
 
 def run_to_end(s: Scheduler) -> list[list[tuple[int, int, int]]]:
@@ -151,6 +155,14 @@ def page_keys(parent: bytes, tokens: list[int], page_size: int) -> list[bytes]:
         parent = page_key(parent, page)
         keys.append(parent)
     return keys
+
+
+def test_pages_packed_from_a_known_prefix_are_the_pages_packed_from_the_ids():
+    tokens = list(range(1000, 1042))
+    for known in (0, 3, 4, 17, 40, 42, 60):  # none, inside a page, on a page, past the ids
+        packed = array("i", (tokens + [7] * 20)[:known]).tobytes()
+        assert packed_pages(tokens, PAGE, packed) == packed_pages(tokens, PAGE)
+    assert len(packed_pages(tokens, PAGE)) == 10
 
 
 def test_keys_chain_the_whole_prefix_and_the_salt():
