@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from protocol.async_client import AsyncClient
+from protocol.async_client import AsyncClient, get_within
 from protocol.client import build_generate
 from protocol.errors import RequestError
 from protocol.messages import Chunk, Generate, Result, Serve
@@ -273,7 +273,7 @@ class Calls:
         if not self.left:
             return END
         try:
-            item = await asyncio.wait_for(self.queue.get(), timeout)
+            item = await get_within(self.queue, timeout)
         except asyncio.TimeoutError:
             return None
         if isinstance(item[1], RequestError):

@@ -454,3 +454,22 @@ def test_a_list_of_endpoints_spreads_clients_over_them(serve):
         with Client(endpoints, timeout=5) as c:
             seen.append(c.status()["n"])
     assert sorted(seen) == [0, 0, 1, 1]
+
+
+def test_get_within_returns_what_is_queued_or_gives_up_at_its_deadline():
+    from protocol.async_client import get_within
+
+    async def run() -> tuple:
+        q: asyncio.Queue = asyncio.Queue()
+        q.put_nowait("ready")
+        first = await get_within(q, 0)  # already there: no wait at all
+        started = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await get_within(q, 0.05)
+        waited = time.monotonic() - started
+        asyncio.get_running_loop().call_later(0.05, q.put_nowait, "later")
+        return first, waited, await get_within(q, None), q.empty()
+
+    first, waited, later, empty = asyncio.run(run())
+    assert (first, later, empty) == ("ready", "later", True)
+    assert 0.04 <= waited < 2.0
