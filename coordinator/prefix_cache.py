@@ -75,7 +75,7 @@ class PrefixCache:
         self.queried += len(seq.token_ids)
         keys: list[bytes] = []
         parent = self.root
-        for page in packed_pages(seq.token_ids[:limit], p, seq.request.prompt_bytes):
+        for page in self._pages(seq, 0, limit):
             key = self.child.get((parent, page))
             if key is None:
                 break
@@ -113,7 +113,7 @@ class PrefixCache:
         if seq.n_computed < (first + 1) * p:  # no page filled since: most decode steps
             return
         parent = keys[-1] if keys else self.root
-        for i, page in enumerate(packed_pages(seq.token_ids[first * p:seq.n_computed], p), first):
+        for i, page in enumerate(self._pages(seq, first, seq.n_computed), first):
             key = page_key(parent, page)
             keys.append(key)
             self._keep(key, (parent, page), seq.pages[i])
@@ -122,10 +122,17 @@ class PrefixCache:
     def restored(self, seq: Sequence, first: int) -> None:
         """A parked sequence's pages from `first` on were restored into new pages: key those
         whose content the cache lost meanwhile (their old pages were reused)."""
-        p, keys = self.page_size, seq.page_keys
+        keys = seq.page_keys
         end = min(len(keys), len(seq.pages))
-        for i, page in enumerate(packed_pages(seq.token_ids[first * p:end * p], p), first):
+        for i, page in enumerate(self._pages(seq, first, end * self.page_size), first):
             self._keep(keys[i], (keys[i - 1] if i else self.root, page), seq.pages[i])
+
+    def _pages(self, seq: Sequence, first: int, end: int) -> list[bytes]:
+        """The packed ids of `seq`'s full pages from page `first` up to position `end`, those of
+        its prompt sliced from the bytes its SUBMIT brought rather than packed again."""
+        start = first * self.page_size
+        return packed_pages(seq.token_ids[start:end], self.page_size,
+                            seq.request.prompt_bytes[start * ID_BYTES:])
 
     def _keep(self, key: bytes, made_of: tuple[bytes, bytes], page: int) -> None:
         if key not in self.by_key and page not in self.key_of:

@@ -9,7 +9,6 @@ import itertools
 import queue
 import time
 import uuid
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -19,7 +18,6 @@ import zmq
 
 from .errors import ErrorCode, ProtocolError, RequestError
 from .messages import (
-    MAX_TOKENS_LIST,
     Abort,
     Choice,
     Chunk,
@@ -32,7 +30,7 @@ from .messages import (
 )
 from .schema import from_header
 from .security import secure_client
-from .wire import MAX_MESSAGE_BYTES, decode, encode
+from .wire import MAX_MESSAGE_BYTES, decode, encode, token_ids
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 SILENCE_SECONDS = 3.0  # a server sends keepalives every second; this long without any, it is gone
@@ -123,20 +121,6 @@ def build_generate(
     msg.prompt_token_ids = ids
     msg.check()
     return msg
-
-
-def token_ids(ids: Sequence[int]) -> array:
-    """Prompt ids as they travel (`wire.prompt_frame`), checked in one pass: integers (numpy's
-    too), none negative, at most MAX_TOKENS_LIST."""
-    try:
-        out = ids if isinstance(ids, array) and ids.typecode == "I" else array("I", ids)
-    except OverflowError:
-        raise ProtocolError("token ids must not be negative (nor above 2**32 - 1)") from None
-    except TypeError:
-        raise ProtocolError("field 'prompt_token_ids' must hold integers") from None
-    if len(out) > MAX_TOKENS_LIST:
-        raise ProtocolError(f"field 'prompt_token_ids' is longer than {MAX_TOKENS_LIST}")
-    return out
 
 
 def completion(result: Result) -> Completion:

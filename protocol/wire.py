@@ -40,17 +40,29 @@ def encode(msg: Any, frames: Sequence[bytes | memoryview] = ()) -> list[bytes | 
     return [VERSION, bytes([msg.TYPE]), msgpack.packb(fields, use_bin_type=True), *frames]
 
 
+def token_ids(ids: Sequence[int]) -> array:
+    """Prompt ids as a GENERATE's frame holds them, checked in one pass: integers (numpy's
+    too), none negative, at most MAX_TOKENS_LIST."""
+    try:
+        out = ids if isinstance(ids, array) and ids.typecode == "I" else array("I", ids)
+    except OverflowError:
+        raise ProtocolError("token ids must not be negative (nor above 2**32 - 1)") from None
+    except TypeError:
+        raise ProtocolError("field 'prompt_token_ids' must hold integers") from None
+    if len(out) > MAX_TOKENS_LIST:
+        raise ProtocolError(f"field 'prompt_token_ids' is longer than {MAX_TOKENS_LIST}")
+    return out
+
+
 def prompt_frame(ids: Any) -> bytes | None:
     """A GENERATE's prompt ids as its raw frame: native (little-endian) uint32, as a SUBMIT's,
-    or None to keep them in the header (none given, or some no uint32 can hold: the receiver
-    refuses those, with its own message)."""
-    if isinstance(ids, array) and ids.typecode == "I":
-        return ids.tobytes()
+    or None to keep them in the header (none given, or ids `token_ids` refuses: the receiver
+    refuses those too, with its own message)."""
     if ids is None:
         return None
     try:
-        return array("I", ids).tobytes()
-    except (OverflowError, TypeError):
+        return token_ids(ids).tobytes()
+    except ProtocolError:
         return None
 
 
@@ -149,7 +161,6 @@ class ChunkFrames:
     """One choice's CHUNK messages with the fixed fields (request id, index) packed once: a
     streamed token then costs three small packs instead of a dataclass and its header map."""
 
-    _TYPE = bytes([MsgType.CHUNK])
     _TEXT = msgpack.packb("text")
     _FINISH = msgpack.packb("finish_reason")
 

@@ -329,9 +329,10 @@ def test_prompt_ids_travel_as_a_uint32_frame_and_still_come_in_a_header(monkeypa
     for parts, words in bad:
         with pytest.raises(ProtocolError, match=words):
             decode(parts)
-    monkeypatch.setattr(wire, "MAX_TOKENS_LIST", 2)
+    frame = encode(Generate(request_id="r", prompt_token_ids=[1, 2, 3]))
+    monkeypatch.setattr(wire, "MAX_TOKENS_LIST", 2)  # a frame past the limit is refused
     with pytest.raises(ProtocolError, match="longer than 2"):
-        decode(encode(Generate(request_id="r", prompt_token_ids=[1, 2, 3])))
+        decode(frame)
 
 
 def test_build_generate_checks_prompt_ids_in_one_pass():
