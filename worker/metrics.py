@@ -7,7 +7,9 @@ through `transfer`, `wait`, `ring` and `decline`; the process reports `forward` 
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from protocol.metrics_http import serve_metrics
 
 TRANSFER_PATHS = ("ahead", "ordered", "writeback")
 DECLINE_REASONS = ("budget", "headroom", "unsupported")
@@ -94,4 +96,4 @@ class WorkerMetrics:
         self._ahead[outcome].inc()
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+        serve_metrics(self.registry, port, addr)
