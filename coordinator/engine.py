@@ -43,7 +43,7 @@ from .config import CoordinatorConfig
 from .frontends import FrontendGroup
 from .metrics import CoordinatorMetrics
 from .page_allocator import PageAllocator
-from .plan import step_plan
+from .plan import step_frames
 from .prefix_cache import PrefixCache
 from .requests import Requests
 from .schedule import Schedule
@@ -125,6 +125,9 @@ class EngineCore:
         self.retry_at: float | None = None  # when halted workers are started again
         self.model = None
         self.metrics.kv_pages_total.set(config.worker.kv_pages)
+        self.poll_all = self._poller()
+        self.poll_frontends = self._poller(workers=False)
+        self.poll_workers = self._poller(frontends=False)  # while no other plan may go out
 
     @property
     def endpoint(self) -> str:
@@ -138,9 +141,8 @@ class EngineCore:
         READY and every frontend listens."""
         self.frontends.spawn_all()
         self.workers.begin()
-        poller = self._poller()
         while not (self.workers.ready and self.frontends.serving):
-            self._poll(poller, 200)
+            self._poll(self.poll_all, 200)
             if not self.workers.ready:
                 self.workers.check_startup()
             for h in self.frontends.dead():
@@ -174,9 +176,9 @@ class EngineCore:
         hurry() turns true; the requests still running then are aborted.
 
         While no step is in flight the loop does not wake for the workers (only heartbeats can
-        come); supervision reads their socket twice a second."""
+        come), and while no other plan may go out, not for the frontends (`_poll`); supervision
+        reads the socket not waited on twice a second."""
         gc.freeze()  # what start-up made lives on: collections need not scan it again
-        busy, idle = self._poller(), self._poller(workers=False)
         drain_deadline = 0.0
         last_check = 0.0
         while True:
@@ -189,8 +191,9 @@ class EngineCore:
                 self.requests.fail_all(ErrorCode.ABORTED, "the server is shutting down")
                 return
             idle_device = self.scheduler.has_work and not self.inflight
-            self._poll(busy if self.inflight else idle,
-                       0 if idle_device else round(SUPERVISE_SECONDS * 1000))
+            poller = self.poll_frontends if not self.inflight else \
+                self.poll_all if self._room() else self.poll_workers
+            self._poll(poller, 0 if idle_device else round(SUPERVISE_SECONDS * 1000))
             if self.scheduler.has_work:
                 self._dispatch()
             now = time.monotonic()
@@ -199,18 +202,29 @@ class EngineCore:
                 self._supervise(now)
                 self.metrics.set_gauges(self.scheduler, self.workers.n_up)
 
-    def _poller(self, workers: bool = True) -> zmq.Poller:
+    def _poller(self, workers: bool = True, frontends: bool = True) -> zmq.Poller:
         poller = zmq.Poller()
         if workers:
             poller.register(self.worker_sock, zmq.POLLIN)
-        poller.register(self.frontends.sock, zmq.POLLIN)
+        if frontends:
+            poller.register(self.frontends.sock, zmq.POLLIN)
         return poller
 
+    def _room(self) -> bool:
+        """Whether another plan may go out now."""
+        return len(self.inflight) < self.max_in_flight
+
     def _poll(self, poller: zmq.Poller, timeout_ms: int) -> None:
+        """Wait for messages and handle them. While as many plans are in flight as may be, the
+        loop waits for the workers only: what the frontends send then is read once a result
+        makes room, before the next plan (or at the next supervision), so that each request,
+        cancel or status costs no wake of its own (a wake of this loop costs ~100 us of CPU
+        cold on a busy 2-core machine, docs/benchmarks.md) and waits for nothing it could have
+        had sooner."""
         events = self.busy.poll(poller, timeout_ms)
         if self.worker_sock in events:
             self._drain(self.worker_sock, "worker", self._on_worker)
-        if self.frontends.sock in events:
+        if self.frontends.sock in events or (poller is self.poll_workers and self._room()):
             self._drain(self.frontends.sock, "frontend", self._on_frontend)
         self._send_outputs()
 
@@ -272,7 +286,7 @@ class EngineCore:
             now = time.monotonic()
             self.requests.scheduled(sched, now)
             self._count_preemptions(sched)
-            self.workers.send(step_plan(self.next_step, sched))
+            self.workers.send_frames(step_frames(self.next_step, sched))
             self.inflight[self.next_step] = InFlight(sched, now)
             self.next_step += 1
 
@@ -340,7 +354,9 @@ class EngineCore:
     def _supervise(self, now: float) -> None:
         if not self.inflight:  # the loop did not poll the workers: read their heartbeats
             self._drain(self.worker_sock, "worker", self._on_worker)
-            self._send_outputs()
+        elif not self._room():  # nor the frontends
+            self._drain(self.frontends.sock, "frontend", self._on_frontend)
+        self._send_outputs()
         for h in self.frontends.dead():
             self.requests.drop_frontend(h.index)
             self.frontends.restart(h)
