@@ -1,7 +1,7 @@
 """`siding bench core-step`: the engine core's CPU per step, in process, without sockets.
 
 What the core does for each step while the worker waits for the next plan (it plans step N+1
-from step N's tokens): the scheduler's `next_step`, the plan (`step_plan`) and its frames,
+from step N's tokens): the scheduler's `next_step`, the plan's frames (`step_frames`),
 `update_from_output` and the frontends' `OUTPUTS` (`Requests.outputs`, the metrics included).
 Two loads:
 - **decode**: `--streams` sequences of `--prompt-len` random tokens, all decoding (prefilled
@@ -109,12 +109,15 @@ def _submit(requests, key: int, prompt: list[int], max_tokens: int) -> None:
 
 def _step(scheduler, requests, step: int, rng: random.Random) -> int:
     """One step through the core; the worker's tokens are random. Returns its rows."""
-    from coordinator.plan import step_plan
+    from coordinator import plan
     from protocol import wire
 
     sched = scheduler.next_step()
     requests.scheduled(sched, time.monotonic())
-    wire.encode(step_plan(step, sched))
+    if hasattr(plan, "step_frames"):
+        plan.step_frames(step, sched)
+    else:  # a checkout from before the plan was written straight into its frames
+        wire.encode(plan.step_plan(step, sched))
     ids = [seq.id for seq, n in sched.batch if seq.n_computed + n == len(seq.token_ids)]
     out = scheduler.update_from_output(sched, ids, [rng.randrange(1, VOCAB) for _ in ids])
     requests.outputs(out, time.monotonic())

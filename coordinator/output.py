@@ -43,10 +43,7 @@ class RequestOutput:
         self.arrival = 0.0  # time.monotonic() when it reached the frontend
         self.first_token_at: float | None = None
         self.keepalive = self.choices[0].frames.encode([])  # an empty chunk
-
-    @property
-    def done(self) -> bool:
-        return all(c.ended for c in self.choices)
+        self.done = False  # the core has ended every choice
 
     def add_token(self, index: int, token: int, stop_token: bool) -> bool:
         """A choice's next token (`stop_token`: the core ended the choice on it, so it is not
@@ -73,6 +70,7 @@ class RequestOutput:
         if c.finish_reason is None:
             c.finish_reason = reason
         c.ended, c.preemptions = True, preemptions
+        self.done = all(c.ended for c in self.choices)
 
     def chunks(self) -> list[bytes]:
         """Chunks (`ChunkFrames.header`s) for what each choice produced since the last call."""

@@ -149,13 +149,17 @@ class Requests:
             req = seq.request
             rows.setdefault(req.frontend, array("q")).extend((req.key, seq.index, token))
             touched[id(req)] = req
+        gaps: dict[float, int] = {}  # since each stream's last token: most share theirs
         for req in touched.values():  # once per step, so `n` choices do not time each other
             if req.first_token_time is None:
                 req.first_token_time = now
                 self.metrics.ttft.observe(now - req.arrival)
             else:
-                self.metrics.itl.observe(now - req.last_token_time)
+                gap = now - req.last_token_time
+                gaps[gap] = gaps.get(gap, 0) + 1
             req.last_token_time = now
+        for gap, count in gaps.items():
+            self.metrics.itl.observe(gap, count)
         finished: dict[int, list[Finished]] = {}
         for seq in out.finished:
             req = seq.request

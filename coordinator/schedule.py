@@ -19,7 +19,7 @@ class Move:
 
 @dataclass
 class Schedule:
-    """One step as the scheduler decided it; `plan.step_plan` turns it into the wire's `Step`."""
+    """One step as the scheduler decided it; `plan.step_frames` turns it into the wire's STEP."""
 
     batch: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, rows)
     parks: list[Move] = field(default_factory=list)

@@ -164,10 +164,11 @@ class Scheduler:
 
     def _emit(self, out: Schedule) -> Schedule:
         for seq, n in out.batch:
+            start = seq.next_position
             samples = n == seq.n_remaining
-            out.starts.append(seq.next_position)
+            out.starts.append(start)
             out.samples.append(samples)
-            out.after.append(seq.next_position >= len(seq.token_ids))
+            out.after.append(start >= len(seq.token_ids))
             out.epochs.append(seq.epoch)
             seq.rows_ahead += n
             seq.tokens_ahead += samples
@@ -271,9 +272,15 @@ class Scheduler:
         self.copies = []
         self._share_rows(out)
         budget = self.max_batch_tokens
-        ready = [s for s in self.running if not s.in_flight or self._follows(s)]
-        decoding = [s for s in ready if s.n_remaining == 1]
-        for seq in decoding + [s for s in ready if s.n_remaining > 1]:
+        decoding, prompts = [], []  # ready for their next rows: decodes go first
+        for seq in self.running:
+            if not seq.rows_ahead or self._follows(seq):
+                left = seq.n_remaining
+                if left == 1:
+                    decoding.append(seq)
+                elif left > 1:
+                    prompts.append(seq)
+        for seq in decoding + prompts:
             if len(out.batch) >= self.max_batch_seqs or budget == 0:
                 break
             if (out.parks or out.recomputed) and self._preempted(seq, out):
@@ -284,7 +291,7 @@ class Scheduler:
                 if victim is None:
                     break
                 self.preempt(victim, out)
-            if self._reserve(seq, n):
+            if need <= 0 or self._reserve(seq, n):
                 out.batch.append((seq, n))
                 budget -= n
         if out.parks or out.recomputed:

@@ -214,7 +214,10 @@ class WorkerGroup:
     # ---- serving ----------------------------------------------------------------------------
 
     def send(self, msg) -> None:
-        frames = encode(msg)
+        self.send_frames(encode(msg))
+
+    def send_frames(self, frames: list) -> None:
+        """A message already encoded, to every worker alive."""
         for h in self.handles:
             if h.alive:
                 self.sock.send_multipart([h.identity, *frames])

@@ -37,7 +37,13 @@ def encode(msg: Any, frames: Sequence[bytes | memoryview] = ()) -> list[bytes | 
         fields = to_header(msg)
         if type(msg) is Generate and (frame := prompt_frame(msg.prompt_token_ids)) is not None:
             fields["prompt_token_ids"], frames = None, [frame]
-    return [VERSION, bytes([msg.TYPE]), msgpack.packb(fields, use_bin_type=True), *frames]
+    return message(msg.TYPE, fields, frames)
+
+
+def message(kind: MsgType, fields: dict, frames: Sequence[bytes | memoryview | array] = ()
+            ) -> list[bytes | memoryview]:
+    """The frames of a message of type `kind` from its header map and raw frames."""
+    return [VERSION, bytes([kind]), msgpack.packb(fields, use_bin_type=True), *frames]
 
 
 def token_ids(ids: Sequence[int]) -> array:
