@@ -6,7 +6,11 @@ from step N's tokens): the scheduler's `next_step`, the plan's frames (`step_fra
 Two loads:
 - **decode**: `--streams` sequences of `--prompt-len` random tokens, all decoding (prefilled
   first, not timed), with the prefix cache and pages given ahead as a one-GPU cluster has them:
-  CPU microseconds per step and per token;
+  CPU microseconds per step and per token, warm (steps back to back) and **cold** (a quarter of
+  the steps, each half of each after a sweep of 64 MiB through the caches, not counted): in a
+  cluster the core sleeps while the worker's weight reads evict everything, and on the 2-core
+  CI machine it spends about three times the warm figure a token, closer to the cold one (code
+  run once a step costs 5-15 times its warm time cold: `docs/benchmarks.md`);
 - **cached prompt**: a `--prefix`-token prefix computed once, then requests of that prefix and
   `--question` new tokens, one at a time: the core's CPU from the `SUBMIT` to the plan's frames
   (the request's queue time before its first step, less the hops), and applying its result.
@@ -46,6 +50,7 @@ SCENARIO = "core-step"
 ROOT = Path(__file__).resolve().parents[1]  # this checkout
 PAGE_SIZE = 16
 VOCAB = 32000
+COLD_BYTES = 64 << 20
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -107,8 +112,9 @@ def _submit(requests, key: int, prompt: list[int], max_tokens: int) -> None:
     requests.submit(0, msg, memoryview(array("i", prompt).tobytes()), VOCAB, None)
 
 
-def _step(scheduler, requests, step: int, rng: random.Random) -> int:
-    """One step through the core; the worker's tokens are random. Returns its rows."""
+def _step(scheduler, requests, step: int, rng: random.Random, between=None) -> int:
+    """One step through the core; the worker's tokens are random; `between()` runs between the
+    plan and its result. Returns its rows."""
     from coordinator import plan
     from protocol import wire
 
@@ -118,14 +124,18 @@ def _step(scheduler, requests, step: int, rng: random.Random) -> int:
         plan.step_frames(step, sched)
     else:  # a checkout from before the plan was written straight into its frames
         wire.encode(plan.step_plan(step, sched))
+    if between is not None:
+        between()
     ids = [seq.id for seq, n in sched.batch if seq.n_computed + n == len(seq.token_ids)]
     out = scheduler.update_from_output(sched, ids, [rng.randrange(1, VOCAB) for _ in ids])
     requests.outputs(out, time.monotonic())
     return sum(n for _, n in sched.batch)
 
 
-def decode_round(streams: int, prompt_len: int, steps: int, seed: int) -> float:
-    """CPU seconds a decode step of `streams` sequences."""
+def decode_round(streams: int, prompt_len: int, steps: int, seed: int,
+                 cold: bool = False) -> float:
+    """CPU seconds a decode step of `streams` sequences; `cold`: each step's two halves start
+    with the caches evicted (`Evictor`), which is not counted."""
     rng = random.Random(seed)
     scheduler, requests = _core(streams)
     for key in range(streams):
@@ -137,10 +147,33 @@ def decode_round(streams: int, prompt_len: int, steps: int, seed: int) -> float:
     for _ in range(20):  # every sequence decoding
         _step(scheduler, requests, step, rng)
         step += 1
-    t0 = time.process_time()
+    if not cold:
+        t0 = time.process_time()
+        for i in range(steps):
+            _step(scheduler, requests, step + i, rng)
+        return (time.process_time() - t0) / steps
+    evict = Evictor()
     for i in range(steps):
-        _step(scheduler, requests, step + i, rng)
-    return (time.process_time() - t0) / steps
+        evict()
+        _step(scheduler, requests, step + i, rng, between=evict)
+    return evict.counted / steps
+
+
+class Evictor:
+    """Sweeps COLD_BYTES (past the last-level cache) between the stretches it times, as the
+    worker's weight reads do while the core sleeps between steps; `counted`: the process CPU
+    time between its calls, less the sweeps."""
+
+    def __init__(self) -> None:
+        self.sweep = bytearray(COLD_BYTES)
+        self.counted, self.last = 0.0, None
+
+    def __call__(self) -> None:
+        now = time.process_time()
+        if self.last is not None:
+            self.counted += now - self.last
+        self.sweep[::64] = bytes(COLD_BYTES // 64)  # a write to every cache line
+        self.last = time.process_time()
 
 
 def cached_round(prefix: int, question: int, n: int, seed: int) -> float:
@@ -169,6 +202,8 @@ def cached_round(prefix: int, question: int, n: int, seed: int) -> float:
 
 def one_round(a: argparse.Namespace, r: int) -> dict[str, Any]:
     return {"decode": {str(s): decode_round(s, a.prompt_len, a.steps, r) for s in a.streams},
+            "decode_cold": {str(s): decode_round(s, a.prompt_len, max(1, a.steps // 4), r,
+                                                 cold=True) for s in a.streams},
             "cached": cached_round(a.prefix, a.question, a.requests, r)}
 
 
@@ -203,10 +238,14 @@ def main(argv: list[str] | None = None) -> None:
         results[arm] = {
             "decode_us_per_token": {s: Spread.of([x["decode"][str(s)] / s * 1e6
                                                   for x in rounds[arm]]) for s in a.streams},
+            "cold_us_per_token": {s: Spread.of([x["decode_cold"][str(s)] / s * 1e6
+                                                for x in rounds[arm]]) for s in a.streams},
             "cached_us": Spread.of([x["cached"] * 1e6 for x in rounds[arm]]),
         }
-    headers = ["arm", *(f"{s} streams us/token" for s in a.streams), "cached request us"]
+    headers = ["arm", *(f"{s} streams us/token" for s in a.streams),
+               *(f"{s} cold" for s in a.streams), "cached request us"]
     rows = [[arm, *(r["decode_us_per_token"][s].text() for s in a.streams),
+             *(r["cold_us_per_token"][s].text() for s in a.streams),
              r["cached_us"].text(digits=0)] for arm, r in results.items()]
     table = format_table(headers, rows)
     record = {"scenario": SCENARIO, "command": " ".join(["siding", "bench", SCENARIO,

@@ -291,6 +291,8 @@ class EngineCore:
             self.next_step += 1
 
     def _count_preemptions(self, sched: Schedule) -> None:
+        if not (sched.parks or sched.recomputed or sched.restores):
+            return  # most steps
         m = self.metrics
         page_bytes = self.workers.kv_bytes_per_page
         m.preemptions.labels(action="park").inc(len(sched.parks))
@@ -335,8 +337,8 @@ class EngineCore:
             self.metrics.park_seconds.observe(msg.park_seconds)
         out = self.scheduler.update_from_output(rec.sched, msg.seq_ids, msg.tokens)
         if out.ahead_used or out.ahead_dropped:
-            self.metrics.ahead_rows.labels(outcome="used").inc(out.ahead_used)
-            self.metrics.ahead_rows.labels(outcome="dropped").inc(out.ahead_dropped)
+            self.metrics.ahead_used.inc(out.ahead_used)
+            self.metrics.ahead_dropped.inc(out.ahead_dropped)
         self.unsent += self.requests.outputs(out, now)
 
     def _on_step_error(self, msg: StepError) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from itertools import accumulate
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -36,19 +36,19 @@ class CoordinatorMetrics:
                                   "(their sequence had ended)", ["outcome"], registry=r)
         self.park_bytes = Counter("siding_park_bytes", "Bytes parked and restored",
                                   ["direction"], registry=r)
-        self.park_seconds = Histogram("siding_park_seconds", "Time of one park or restore",
-                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.request_preemptions = Histogram(
+        self.park_seconds = CountedHistogram("siding_park_seconds",
+                                             "Time of one park or restore", LATENCY_BUCKETS, r)
+        self.request_preemptions = CountedHistogram(
             "siding_request_preemptions", "Preemptions per finished request",
-            buckets=(0, 1, 2, 4, 8, 16, 32, 64), registry=r)
-        self.ttft = Histogram("siding_time_to_first_token_seconds", "Time to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
+            (0, 1, 2, 4, 8, 16, 32, 64), r)
+        self.ttft = CountedHistogram("siding_time_to_first_token_seconds",
+                                     "Time to first token", LATENCY_BUCKETS, r)
         self.itl = CountedHistogram("siding_inter_token_latency_seconds",
                                     "Time between tokens", LATENCY_BUCKETS, r)
-        self.e2e = Histogram("siding_e2e_request_latency_seconds", "Request latency",
-                             buckets=REQUEST_BUCKETS, registry=r)
-        self.queue = Histogram("siding_request_queue_seconds", "Time queued before first step",
-                               buckets=REQUEST_BUCKETS, registry=r)
+        self.e2e = CountedHistogram("siding_e2e_request_latency_seconds", "Request latency",
+                                    REQUEST_BUCKETS, r)
+        self.queue = CountedHistogram("siding_request_queue_seconds",
+                                      "Time queued before first step", REQUEST_BUCKETS, r)
         self.prompt_tokens = Counter("siding_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("siding_generation_tokens", "Generated tokens",
                                          registry=r)
@@ -56,8 +56,8 @@ class CoordinatorMetrics:
                                 registry=r)
         self.request_errors = Counter("siding_request_errors", "Failed requests", ["code"],
                                       registry=r)
-        self.step_seconds = Histogram("siding_step_seconds", "Step round trip",
-                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.step_seconds = CountedHistogram("siding_step_seconds", "Step round trip",
+                                             LATENCY_BUCKETS, r)
         self.workers_up = Gauge("siding_workers_up", "Workers alive and ready", registry=r)
         self.dropped_messages = Counter("siding_dropped_messages", "Malformed messages dropped",
                                         ["socket"], registry=r)
@@ -68,8 +68,8 @@ class CoordinatorMetrics:
             self.preemptions.labels(action=action)
         for direction in ("out", "in"):
             self.park_bytes.labels(direction=direction)
-        for outcome in ("used", "dropped"):
-            self.ahead_rows.labels(outcome=outcome)
+        self.ahead_used = self.ahead_rows.labels(outcome="used")
+        self.ahead_dropped = self.ahead_rows.labels(outcome="dropped")
         for reason in FINISH_REASONS:
             self.requests.labels(finish_reason=reason)
         for code in ErrorCode:
@@ -142,12 +142,13 @@ class CoordinatorMetrics:
 
 
 class CountedHistogram:
-    """A histogram observed a value many times at once. A step's tokens share their time, and
-    most of their streams the gap since their last token: the inter-token latency is a few
-    `observe(gap, count)` a step where prometheus_client's `Histogram` takes one observation (a
-    lock and a bucket scan) for each stream, 0.9 of the engine core's 5.5 us a token at 64
-    streams (`siding bench core-step`). Exported as a histogram like any other; only the loop
-    observes it, and a scrape reads a copy of the counts."""
+    """A histogram of the engine core's loop, which alone observes it (a scrape reads a copy of
+    the counts), exported as any other. It takes a value many times at once: a step's tokens
+    share their time, and most of their streams the gap since their last token, so the
+    inter-token latency is a few `observe(gap, count)` a step where prometheus_client's
+    `Histogram` took an observation (a lock and a bucket scan) for each stream, 0.9 of the
+    core's 5.5 us a token at 64 streams (`siding bench core-step`). And it is a few lines of
+    code where a step ran through a dozen of prometheus_client's once each, cold."""
 
     def __init__(self, name: str, documentation: str, buckets, registry: CollectorRegistry):
         self.name, self.documentation = name, documentation

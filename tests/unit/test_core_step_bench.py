@@ -24,6 +24,8 @@ def test_a_small_run_records_both_arms_round_by_round(tmp_path, capsys):
         rounds = record["rounds"][arm]
         assert len(rounds) == 2 and all(set(r["decode"]) == {"4", "8"} for r in rounds)
         assert all(r["cached"] > 0 and all(v > 0 for v in r["decode"].values()) for r in rounds)
+        assert all(set(r["decode_cold"]) == {"4", "8"} and min(r["decode_cold"].values()) > 0
+                   for r in rounds)
         spread = record["results"][arm]["decode_us_per_token"]["8"]
         assert spread["min"] <= spread["median"] <= spread["max"]
     assert "cached request us" in capsys.readouterr().out
