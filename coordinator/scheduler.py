@@ -272,15 +272,9 @@ class Scheduler:
         self.copies = []
         self._share_rows(out)
         budget = self.max_batch_tokens
-        decoding, prompts = [], []  # ready for their next rows: decodes go first
-        for seq in self.running:
-            if not seq.rows_ahead or self._follows(seq):
-                left = seq.n_remaining
-                if left == 1:
-                    decoding.append(seq)
-                elif left > 1:
-                    prompts.append(seq)
-        for seq in decoding + prompts:
+        ready = [s for s in self.running if not s.in_flight or self._follows(s)]
+        decoding = [s for s in ready if s.n_remaining == 1]
+        for seq in decoding + [s for s in ready if s.n_remaining > 1]:
             if len(out.batch) >= self.max_batch_seqs or budget == 0:
                 break
             if (out.parks or out.recomputed) and self._preempted(seq, out):
@@ -291,7 +285,7 @@ class Scheduler:
                 if victim is None:
                     break
                 self.preempt(victim, out)
-            if need <= 0 or self._reserve(seq, n):
+            if self._reserve(seq, n):
                 out.batch.append((seq, n))
                 budget -= n
         if out.parks or out.recomputed:
