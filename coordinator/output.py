@@ -13,20 +13,36 @@ from protocol.wire import ChunkFrames
 
 from .text import Detokenizer, TextCodec, find_stop
 
+SETTLE_CHARS = 256  # an unstreamed choice's tail past its hold that is moved to `settled`
+
 
 @dataclass(eq=False, slots=True)
 class ChoiceText:
+    """A choice's text (stop strings cut) is `settled` then `tail`: the settled pieces are text
+    no stop string can still begin in that was streamed already (or, unstreamed, lies past the
+    hold), so that a token appends to a short tail rather than copying the whole text."""
     index: int
     detok: Detokenizer
     frames: ChunkFrames
     token_ids: list[int] = field(default_factory=list)  # generated
-    text: str = ""  # stop strings cut
+    settled: list[str] = field(default_factory=list)
+    tail: str = ""
     finish_reason: str | None = None
     ended: bool = False  # the core has ended it too (preemptions are final)
     preemptions: int = 0
-    sent_text: int = 0  # characters of `text` already streamed
     sent_tokens: int = 0
     final_sent: bool = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.settled) + self.tail
+
+    def settle(self, chars: int) -> str:
+        """Move the tail's first `chars` characters to the settled text; returns them."""
+        done, self.tail = self.tail[:chars], self.tail[chars:]
+        if done:
+            self.settled.append(done)
+        return done
 
 
 class RequestOutput:
@@ -56,12 +72,14 @@ class RequestOutput:
         c.token_ids.append(token)
         if stop_token or not (piece := c.detok.push(token)):
             return False
-        searched = len(c.text)
-        c.text += piece
-        cut = find_stop(c.text, self.msg.stop, searched) if self.msg.stop else None
+        searched = len(c.tail)
+        c.tail += piece
+        cut = find_stop(c.tail, self.msg.stop, searched) if self.msg.stop else None
         if cut is None:
+            if not self.msg.stream and len(c.tail) > self.hold + SETTLE_CHARS:
+                c.settle(len(c.tail) - self.hold)  # chunks() settles a stream's text
             return False
-        c.text, c.finish_reason = c.text[:cut], "stop"
+        c.tail, c.finish_reason = c.tail[:cut], "stop"
         return True
 
     def end(self, index: int, reason: str, preemptions: int) -> None:
@@ -73,16 +91,18 @@ class RequestOutput:
         self.done = all(c.ended for c in self.choices)
 
     def chunks(self) -> list[bytes]:
-        """Chunks (`ChunkFrames.header`s) for what each choice produced since the last call."""
+        """Chunks (`ChunkFrames.header`s) for what each choice produced since the last call: its
+        text but the last `hold` characters, which could still begin a stop string (all of it
+        once the choice is done). What is sent is settled."""
         out = []
         for c in self.choices:
             done = c.finish_reason is not None
             new_tokens = c.token_ids[c.sent_tokens:]
             if c.final_sent or not (new_tokens or done):
                 continue
-            upto = len(c.text) if done else max(c.sent_text, len(c.text) - self.hold)
-            out.append(c.frames.header(new_tokens, c.text[c.sent_text:upto], c.finish_reason))
-            c.sent_tokens, c.sent_text, c.final_sent = len(c.token_ids), upto, done
+            text = c.settle(len(c.tail) if done else max(0, len(c.tail) - self.hold))
+            out.append(c.frames.header(new_tokens, text, c.finish_reason))
+            c.sent_tokens, c.final_sent = len(c.token_ids), done
         return out
 
     def log_line(self, now: float) -> str:

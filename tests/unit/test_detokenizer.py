@@ -6,19 +6,12 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers.codec import codec
 
 from coordinator.text import Detokenizer, TextCodec
-from protocol.messages import ModelInfo
-from worker.loaders import resolve
 
 TEXTS = ["Héllo wörld 你好世界 🎉🎉 emoji ñ", "def f(x):\n    return x**2  # ☃",
          "The capital of France is Paris. Ça va? Привет мир", "<|im_start|>user\nHi<|im_end|>"]
-
-
-def codec(spec: str) -> TextCodec:
-    t = resolve(spec).tokenizer
-    return TextCodec(ModelInfo(spec, 1, 1, 1, t.tokenizer_json, t.chat_template, t.bos_id,
-                               t.add_bos, t.eos_ids))
 
 
 class WindowDetokenizer:

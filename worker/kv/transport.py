@@ -213,7 +213,8 @@ class CopyThread:
 
     def close(self) -> None:
         self.queue.put(None)
-        self.thread.join(WAIT_TIMEOUT_S)
+        if threading.current_thread() is not self.thread:  # a pool's finalizer may run here
+            self.thread.join(WAIT_TIMEOUT_S)
 
     def _run(self) -> None:
         # The ring's buffers are made under inference mode; writing them needs it too.
