@@ -14,18 +14,21 @@ from protocol.wire import ChunkFrames
 from .text import Detokenizer, TextCodec, find_stop
 
 SETTLE_CHARS = 256  # an unstreamed choice's tail past its hold that is moved to `settled`
+JOIN_PIECES = 64  # settled pieces joined into one, so that a long stream is not 1 string a token
 
 
 @dataclass(eq=False, slots=True)
 class ChoiceText:
-    """A choice's text (stop strings cut) is `settled` then `tail`: the settled pieces are text
-    no stop string can still begin in that was streamed already (or, unstreamed, lies past the
-    hold), so that a token appends to a short tail rather than copying the whole text."""
+    """A choice's text (stop strings cut) is `settled`, `pieces`, then `tail`. The first two
+    hold text no stop string can still begin in that was streamed already (or, unstreamed, lies
+    past the hold), so that a token appends to a short tail rather than copying the whole
+    text."""
     index: int
     detok: Detokenizer
     frames: ChunkFrames
     token_ids: list[int] = field(default_factory=list)  # generated
-    settled: list[str] = field(default_factory=list)
+    settled: list[str] = field(default_factory=list)  # each JOIN_PIECES pieces joined
+    pieces: list[str] = field(default_factory=list)  # settled since
     tail: str = ""
     finish_reason: str | None = None
     ended: bool = False  # the core has ended it too (preemptions are final)
@@ -35,13 +38,16 @@ class ChoiceText:
 
     @property
     def text(self) -> str:
-        return "".join(self.settled) + self.tail
+        return "".join(self.settled) + "".join(self.pieces) + self.tail
 
     def settle(self, chars: int) -> str:
         """Move the tail's first `chars` characters to the settled text; returns them."""
         done, self.tail = self.tail[:chars], self.tail[chars:]
         if done:
-            self.settled.append(done)
+            self.pieces.append(done)
+            if len(self.pieces) == JOIN_PIECES:  # a stream settles a piece a token
+                self.settled.append("".join(self.pieces))
+                self.pieces.clear()
         return done
 
 

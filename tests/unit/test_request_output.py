@@ -69,4 +69,6 @@ def test_long_outputs_with_stop_strings(stream: bool, settle_chars: int,
             assert got_chunks == chunks[:len(got_chunks)] and "".join(got_chunks) == want
         result = out.result().choices[0]
         assert (result.text, result.finish_reason) == (want, reason)
-        assert len(out.choices[0].tail) < 300 + settle_chars  # the text is in settled pieces
+        kept = out.choices[0]  # the text is settled, in few strings
+        assert len(kept.tail) < 300 + settle_chars and len(kept.pieces) < output.JOIN_PIECES
+        assert len(kept.settled) <= len(tokens) // output.JOIN_PIECES
