@@ -13,7 +13,7 @@ from protocol.wire import ChunkFrames
 
 from .text import Detokenizer, TextCodec, find_stop
 
-SETTLE_CHARS = 256  # an unstreamed choice's tail past its hold that is moved to `settled`
+SETTLE_CHARS = 256  # an unstreamed choice's tail past its hold, settled once it is longer
 JOIN_PIECES = 64  # settled pieces joined into one, so that a long stream is not 1 string a token
 
 
