@@ -197,6 +197,10 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     a("--prefill-hold-ms", type=int, default=0,
       help="while sequences decode, new prompts wait up to this long (or until they fill half "
       "a step's rows) and prefill together, so most steps decode only: throughput for TTFT")
+    a("--multi-step", type=int, default=1, metavar="K",
+      help="plan steps in groups of K, each on the tokens of the one before it, and hear of a "
+      "group's results at once (one worker only): the engine core's and frontends' CPU per "
+      "step and per message divided by K, for tokens streamed K at a time")
     a("--listen", default=DEFAULT_ENDPOINT, metavar="ENDPOINT",
       help="client endpoint; with --frontends N, up to N comma-separated (frontends past them "
       "take ports of the system's choosing on the first one's host)")
@@ -234,7 +238,8 @@ def config_from_args(args: argparse.Namespace):
         worker=worker, workers=args.workers, devices=args.devices.split(","),
         prefix_cache=args.prefix_cache,
         preempt_every=args.preempt_every,
-        prefill_hold_ms=args.prefill_hold_ms, max_queued_per_client=args.max_queued_per_client,
+        prefill_hold_ms=args.prefill_hold_ms, multi_step=args.multi_step,
+        max_queued_per_client=args.max_queued_per_client,
         worker_wait=args.worker_wait,
         listen=args.listen, frontends=args.frontends, http=args.http, api_key=_api_key(args),
         worker_listen=args.worker_listen,

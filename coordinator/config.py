@@ -25,6 +25,7 @@ class CoordinatorConfig:
     prefix_cache: bool = True  # full pages of computed prompts reused by content
     preempt_every: int = 0
     prefill_hold_ms: int = 0  # new prompts may wait this long while others decode (0: never)
+    multi_step: int = 1  # steps planned and answered as one group (one worker only)
     listen: str = "tcp://127.0.0.1:5555"  # client endpoints: one, or one per frontend (a,b,...)
     frontends: int = 1  # processes that serve clients (text, streaming) beside the engine core
     http: str | None = None  # HOST:PORT of the OpenAI-compatible HTTP API (off when None)
@@ -62,6 +63,9 @@ class CoordinatorConfig:
         self.worker.validate()
         need(self.preempt_every >= 0, "--preempt-every must be >= 0")
         need(0 <= self.prefill_hold_ms <= 10_000, "--prefill-hold-ms must be in [0, 10000]")
+        need(1 <= self.multi_step <= 64, "--multi-step must be in [1, 64]")
+        need(self.multi_step == 1 or self.workers == 1,
+             "--multi-step needs one worker: a layer split runs one step a stage")
         need(1 <= self.frontends <= 64, "--frontends must be in [1, 64]")
         need(self.max_queued_per_client >= 1, "--max-queued-per-client must be at least 1")
         need(self.worker_wait > 0, "--worker-wait must be a positive number of seconds")

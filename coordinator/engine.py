@@ -45,7 +45,7 @@ from .metrics import CoordinatorMetrics
 from .page_allocator import PageAllocator
 from .plan import step_frames
 from .prefix_cache import PrefixCache
-from .requests import Requests
+from .requests import Requests, merged
 from .schedule import Schedule
 from .scheduler import Scheduler
 from .status import cluster_status
@@ -104,13 +104,15 @@ class EngineCore:
             cache = PrefixCache(pool, w.page_size, f"{w.model}|{w.dtype}|exact={w.exact}")
             self.metrics.watch_prefix_cache(cache)
         # A worker that is the whole pipeline takes steps planned on the tokens of those before
-        # it, still in flight (docs/overlap-scheduling.md); a layer split runs one step a stage.
+        # it, still in flight (docs/overlap-scheduling.md), in groups of --multi-step answered
+        # at once; a layer split runs one step a stage.
         ahead = steps_ahead(w.overlap, config.devices[0], w.kv) if config.workers == 1 else 0
-        self.max_in_flight = 1 + ahead if ahead else config.workers
+        self.group = config.multi_step
+        self.max_in_flight = self.group * (1 + ahead) if config.workers == 1 else config.workers
         self.scheduler = Scheduler(pool, PageAllocator(w.park_pages), w.page_size,
                                    w.max_batch_seqs, w.max_batch_tokens,
                                    config.preempt_every, config.prefill_hold_ms / 1000, cache,
-                                   plan_ahead=bool(ahead))
+                                   plan_ahead=bool(ahead) or self.group > 1)
         self.requests = Requests(self.scheduler, self.frontends, self.metrics,
                                  config.max_waiting, config.max_queued_per_client)
         self.inflight: dict[int, InFlight] = {}
@@ -211,8 +213,8 @@ class EngineCore:
         return poller
 
     def _room(self) -> bool:
-        """Whether another plan may go out now."""
-        return len(self.inflight) < self.max_in_flight
+        """Whether another group of plans may go out now."""
+        return len(self.inflight) + self.group <= self.max_in_flight
 
     def _poll(self, poller: zmq.Poller, timeout_ms: int) -> None:
         """Wait for messages and handle them. While as many plans are in flight as may be, the
@@ -236,7 +238,7 @@ class EngineCore:
             return
         if self.scheduler.has_work:
             self._dispatch()
-        unsent, self.unsent = self.unsent, []
+        unsent, self.unsent = merged(self.unsent), []
         for frontend, msg, frame in unsent:
             self.frontends.send(frontend, msg, [frame])
 
@@ -277,18 +279,24 @@ class EngineCore:
     # ---- scheduling and dispatch ------------------------------------------------------------
 
     def _dispatch(self) -> None:
+        """Send plans while there is room, a group at a time: each step of a group but its last
+        holds its result (`Step.hold`), so the worker answers the group at once."""
         if not self.workers.ready:
             return
-        while len(self.inflight) < self.max_in_flight:
-            sched = self.scheduler.next_step()
-            if not sched:
-                return
+        while self._room():
+            group = []
+            while len(group) < self.group and (sched := self.scheduler.next_step()):
+                group.append(sched)
             now = time.monotonic()
-            self.requests.scheduled(sched, now)
-            self._count_preemptions(sched)
-            self.workers.send_frames(step_frames(self.next_step, sched))
-            self.inflight[self.next_step] = InFlight(sched, now)
-            self.next_step += 1
+            for i, sched in enumerate(group):
+                self.requests.scheduled(sched, now)
+                self._count_preemptions(sched)
+                self.workers.send_frames(step_frames(self.next_step, sched,
+                                                     hold=i < len(group) - 1))
+                self.inflight[self.next_step] = InFlight(sched, now)
+                self.next_step += 1
+            if len(group) < self.group:
+                return
 
     def _count_preemptions(self, sched: Schedule) -> None:
         if not (sched.parks or sched.recomputed or sched.restores):

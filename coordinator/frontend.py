@@ -233,14 +233,20 @@ class Frontend:
     def _on_outputs(self, msg: Outputs, frame: memoryview) -> None:
         rows = array("q")
         rows.frombytes(frame)
-        stop_tokens = {(f.key, f.index) for f in msg.finished if f.reason == "stop"}
+        # the row a stop token ended a choice on: its last here (a message may hold several
+        # steps' rows, --multi-step)
+        stop_rows = {(f.key, f.index): -1 for f in msg.finished if f.reason == "stop"}
+        if stop_rows:
+            for row, choice in enumerate(zip(rows[0::3], rows[1::3])):
+                if choice in stop_rows:
+                    stop_rows[choice] = row
         touched: dict[int, RequestOutput] = {}
-        for key, index, token in zip(rows[0::3], rows[1::3], rows[2::3]):
+        for row, (key, index, token) in enumerate(zip(rows[0::3], rows[1::3], rows[2::3])):
             out = self.requests.get(key)
             if out is None:
                 continue  # aborted here already
             touched[key] = out
-            if out.add_token(index, token, (key, index) in stop_tokens):
+            if out.add_token(index, token, bool(stop_rows) and stop_rows.get((key, index)) == row):
                 self._to_core(Cancel(key=key, index=index, reason="stop"))
         for f in msg.finished:
             out = self.requests.get(f.key)

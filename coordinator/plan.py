@@ -10,8 +10,9 @@ from protocol.wire import message
 from .schedule import Schedule
 
 
-def step_frames(step: int, sched: Schedule) -> list:
-    """The STEP message numbered `step` that carries out `sched`."""
+def step_frames(step: int, sched: Schedule, hold: bool = False) -> list:
+    """The STEP message numbered `step` that carries out `sched` (`hold`: the worker keeps its
+    result until a later step's, `Step.hold`)."""
     c = StepColumns()
     for (seq, n), start, sample, after in zip(sched.batch, sched.starts, sched.samples,
                                               sched.after):
@@ -30,5 +31,5 @@ def step_frames(step: int, sched: Schedule) -> list:
         park=[PageMove(id=m.seq.id, pages=m.pages, slots=m.slots) for m in sched.parks],
         restore=[PageMove(id=m.seq.id, pages=m.pages, slots=m.slots, kept=m.kept)
                  for m in sched.restores],
-        copies=[PageCopy(src=a, dst=b) for a, b in sched.copies])
+        copies=[PageCopy(src=a, dst=b) for a, b in sched.copies], hold=hold)
     return message(MsgType.STEP, fields, frames)

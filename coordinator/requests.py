@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 
 from protocol.errors import ErrorCode
-from protocol.messages import Cancel, Failed, Finished, Outputs, Report, Submit
+from protocol.messages import MAX_LIST, Cancel, Failed, Finished, Outputs, Report, Submit
 
 from .frontends import FrontendGroup
 from .metrics import CoordinatorMetrics
@@ -182,3 +182,25 @@ class Requests:
         for seq in req.seqs:
             self.metrics.requests.labels(finish_reason=seq.finish_reason).inc()
             self.metrics.request_preemptions.observe(seq.preemptions)
+
+
+def merged(sends: list[tuple[int, Outputs, bytes]]) -> list[tuple[int, Outputs, bytes]]:
+    """`Requests.outputs` of several steps, one message a frontend: rows in step order, then
+    every ending. A choice's rows all come before its ending (nothing is planned for it after
+    the step that ends it), so the frontend reads the merged message as it reads the steps'."""
+    if len(sends) < 2:
+        return sends
+    out: list[tuple[int, Outputs, list[bytes]]] = []
+    last: dict[int, tuple[int, Outputs, list[bytes]]] = {}  # each frontend's open message
+    for frontend, msg, frame in sends:
+        into = last.get(frontend)
+        if into is None or into[1].n_rows + msg.n_rows > MAX_LIST:
+            last[frontend] = into = (frontend, msg, [frame])
+            out.append(into)
+            continue
+        first = into[1]
+        first.n_rows += msg.n_rows
+        first.finished = first.finished + msg.finished
+        first.failed = first.failed + msg.failed
+        into[2].append(frame)
+    return [(frontend, msg, b"".join(frames)) for frontend, msg, frames in out]

@@ -296,6 +296,9 @@ class Step:
     park: list[PageMove] = wire_field([], max_len=MAX_LIST)
     restore: list[PageMove] = wire_field([], max_len=MAX_LIST)  # sets the sequence's page table
     copies: list[PageCopy] = wire_field([], max_len=MAX_LIST)
+    # the worker keeps this step's result until that of a later step that does not hold: the
+    # engine core hears of a group of steps (--multi-step) in one wake
+    hold: bool = wire_field(False)
 
 
 @dataclass(slots=True)

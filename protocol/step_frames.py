@@ -56,6 +56,7 @@ class StepHeader:
     park: list[PageMove] = wire_field([], max_len=MAX_LIST)
     restore: list[PageMove] = wire_field([], max_len=MAX_LIST)
     copies: list[PageCopy] = wire_field([], max_len=MAX_LIST)
+    hold: bool = wire_field(False)
 
 
 def _little(a: array) -> array:
@@ -85,13 +86,16 @@ class StepColumns:
         self.pages.extend(pages_add)
 
     def encode(self, step: int, free: list[int], park: list[PageMove],
-               restore: list[PageMove], copies: list[PageCopy]) -> tuple[dict, list[array]]:
+               restore: list[PageMove], copies: list[PageCopy], hold: bool = False
+               ) -> tuple[dict, list[array]]:
         """(the header map, the three frames) of the step numbered `step`."""
         header = {"step": step, "n_seqs": len(self.cols) // COLUMNS, "n_pages": len(self.pages),
                   "n_tokens": len(self.tokens), "sampling": self.sampling, "free": free,
                   "park": [to_header(m) for m in park],
                   "restore": [to_header(m) for m in restore],
                   "copies": [to_header(c) for c in copies]}
+        if hold:  # absent is False: most steps
+            header["hold"] = True
         return header, [_little(self.cols), _little(self.pages), _little(self.tokens)]
 
 
@@ -101,7 +105,7 @@ def encode_step(step: Step) -> tuple[dict, list[array]]:
     for s in step.seqs:
         c.add(s.id, s.start, s.n, s.sample, s.pages_add, s.after, s.sampling)
     c.tokens.extend(step.token_ids)
-    return c.encode(step.step, step.free, step.park, step.restore, step.copies)
+    return c.encode(step.step, step.free, step.park, step.restore, step.copies, step.hold)
 
 
 def _column(frame: memoryview, n: int, what: str) -> array:
@@ -141,4 +145,4 @@ def decode_step(fields: Any, frames: list[memoryview]) -> Step:
             raise ProtocolError(f"STEP: sampling for sequence {x.seq} of {h.n_seqs}")
         seqs[x.seq].sampling = x.sampling
     return Step(step=h.step, seqs=seqs, token_ids=tokens, free=h.free, park=h.park,
-                restore=h.restore, copies=h.copies)
+                restore=h.restore, copies=h.copies, hold=h.hold)

@@ -2,7 +2,9 @@
 next stage's activations or (on the last stage) the sampled tokens. A worker that is the whole
 pipeline takes plans ahead (worker/overlap.py): it enqueues a plan, maybe on the tokens of steps
 still on the device, and sends each step's tokens once they land, so the device runs one step
-while the next one's plan travels.
+while the next one's plan travels. A step that holds (`Step.hold`, --multi-step) has its result
+kept until that of the next step that does not, and then sent just before it: the engine core
+hears of the whole group in one wake.
 
 It knows plans and tensors, not sockets: the process gives it where results and activations go.
 """
@@ -44,6 +46,7 @@ class StepExecutor:
         self.to_coordinator = to_coordinator
         self.to_next = to_next
         self.enqueued: deque[Enqueued] = deque()  # steps whose tokens are not sent yet, in order
+        self.held: list[StepResult] = []  # results of holding steps, for the group's last
         self.landed_at = 0.0  # perf_counter when the last step answered was seen to land
         self.forward_seconds, self.steps = 0.0, 0  # forward passes so far (the heartbeats)
 
@@ -67,12 +70,13 @@ class StepExecutor:
             if self.ahead:
                 tokens = runner.draw(plan, meta, out)
                 self.enqueued.append(Enqueued(plan.step, [s.id for s in plan.seqs if s.sample],
-                                              TokenCopy.start(tokens), t0, runner.park_seconds))
+                                              TokenCopy.start(tokens), t0, runner.park_seconds,
+                                              plan.hold))
                 if self.enqueued[-1].copy.done is None:  # a CPU: the step is done already
                     self.answer()
             elif runner.last:
                 self._send_tokens(plan.step, *runner.sample(plan, meta, out), t0,
-                                  runner.park_seconds)
+                                  runner.park_seconds, plan.hold)
             else:
                 out = out.contiguous().cpu()  # waits for the device: the stage's whole time
                 self._forwarded(time.perf_counter() - t0)
@@ -89,7 +93,7 @@ class StepExecutor:
         is."""
         log.exception("step %d failed", step)
         culprits = [e.seq_id] if isinstance(e, SequenceFault) else []
-        self.to_coordinator(StepError(step=step, code="internal",
+        self._answer(StepError(step=step, code="internal",
                                       message=f"worker {self.rank}: {e}", seq_ids=culprits))
 
     def _device_busy(self) -> bool:
@@ -113,7 +117,7 @@ class StepExecutor:
             self._failed(e.step, err)
             return
         started, self.landed_at = max(e.started, self.landed_at), time.perf_counter()
-        self._send_tokens(e.step, e.seq_ids, tokens, started, e.park_seconds)
+        self._send_tokens(e.step, e.seq_ids, tokens, started, e.park_seconds, e.hold)
 
     def _forwarded(self, seconds: float) -> None:
         self.metrics.forward(seconds)
@@ -126,9 +130,21 @@ class StepExecutor:
             self.to_next(Activations(step=step, dtype="", shape=[]), [b""])
 
     def _send_tokens(self, step: int, seq_ids: list[int], tokens: list[int], t0: float,
-                     park_seconds: float) -> None:
+                     park_seconds: float, hold: bool) -> None:
         """The last stage's answer: the step's sampled tokens; `t0` when its forward began."""
         elapsed = time.perf_counter() - t0
         self._forwarded(elapsed)
-        self.to_coordinator(StepResult(step=step, seq_ids=seq_ids, tokens=tokens,
-                                       forward_seconds=elapsed, park_seconds=park_seconds))
+        result = StepResult(step=step, seq_ids=seq_ids, tokens=tokens, forward_seconds=elapsed,
+                            park_seconds=park_seconds)
+        if hold:
+            self.held.append(result)
+        else:
+            self._answer(result)
+
+    def _answer(self, msg: StepResult | StepError) -> None:
+        """Send a step's result or error to the coordinator, after the held results of the
+        steps before it, in step order."""
+        for result in self.held:
+            self.to_coordinator(result)
+        self.held.clear()
+        self.to_coordinator(msg)

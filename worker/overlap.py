@@ -69,3 +69,4 @@ class Enqueued:
     copy: TokenCopy
     started: float  # perf_counter when it was enqueued
     park_seconds: float  # its parks and restores
+    hold: bool  # its result waits for a later step's (Step.hold)

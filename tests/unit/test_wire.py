@@ -83,6 +83,8 @@ SAMPLES = [
                        SeqPlan(8, 12, 1, [], True, None, after=True)],
          token_ids=[1, 2, 3, 4, 5, 6, 0], free=[7], park=[PageMove(5, [1, 2], [0, 3])],
          restore=[PageMove(6, [8], [4])], copies=[PageCopy(3, 10)]),
+    Step(step=10, seqs=[SeqPlan(8, 13, 1, [], True, None, after=True)], token_ids=[0],
+         hold=True),  # a step of a group but its last (--multi-step)
     StepResult(step=9, seq_ids=[1], tokens=[42], forward_seconds=0.01),
     StepError(step=9, code="worker_failed", message="CUDA out of memory"),
     Shutdown(),
