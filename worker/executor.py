@@ -93,8 +93,8 @@ class StepExecutor:
         is."""
         log.exception("step %d failed", step)
         culprits = [e.seq_id] if isinstance(e, SequenceFault) else []
-        self._answer(StepError(step=step, code="internal",
-                                      message=f"worker {self.rank}: {e}", seq_ids=culprits))
+        self._answer(StepError(step=step, code="internal", message=f"worker {self.rank}: {e}",
+                               seq_ids=culprits))
 
     def _device_busy(self) -> bool:
         """Whether a step enqueued before is still running, so that the next one queues behind
