@@ -56,12 +56,16 @@ log = logging.getLogger("siding.coordinator")
 # Worker deaths are found within 2 s and frontends' within 10 s. Every wake costs tens of
 # microseconds of CPU (a poll, the heartbeats): the idle loop wakes a few times a second.
 SUPERVISE_SECONDS = 0.5
+# How long the loop waits for the rest of a group whose held results have come (they are sent
+# back to back; longer only where a step of the group failed and the rest still run).
+GROUP_WAIT_MS = 2
 
 
 @dataclass
 class InFlight:
     sched: Schedule
     sent: float
+    hold: bool  # its result comes just before that of a later step (Step.hold)
 
 
 class EngineCore:
@@ -120,6 +124,8 @@ class EngineCore:
         # out, (frontend, message, frame)
         self.unsent: list[tuple[int, Outputs, bytes]] = []
         self.next_step = 0
+        self.admit_later = False  # the last group ended on first tokens: the next admits none
+        self.group_open = False  # a group's held results came, its last one not yet
         self.forward_seconds = [0.0, 0]  # the last stage's forward time: sum, steps
         self.draining = False
         self.outage_reason: str | None = None  # why the workers are down, while they are
@@ -226,6 +232,9 @@ class EngineCore:
         events = self.busy.poll(poller, timeout_ms)
         if self.worker_sock in events:
             self._drain(self.worker_sock, "worker", self._on_worker)
+            # the rest of a group, sent back to back, is microseconds behind: one wake for all
+            while self.group_open and self.worker_sock.poll(GROUP_WAIT_MS):
+                self._drain(self.worker_sock, "worker", self._on_worker)
         if self.frontends.sock in events or (poller is self.poll_workers and self._room()):
             self._drain(self.frontends.sock, "frontend", self._on_frontend)
         self._send_outputs()
@@ -284,19 +293,37 @@ class EngineCore:
         if not self.workers.ready:
             return
         while self._room():
-            group = []
-            while len(group) < self.group and (sched := self.scheduler.next_step()):
-                group.append(sched)
+            group = self._plan_group()
             now = time.monotonic()
             for i, sched in enumerate(group):
                 self.requests.scheduled(sched, now)
                 self._count_preemptions(sched)
-                self.workers.send_frames(step_frames(self.next_step, sched,
-                                                     hold=i < len(group) - 1))
-                self.inflight[self.next_step] = InFlight(sched, now)
+                self.workers.send_frames(step_frames(self.next_step, sched, i < len(group) - 1))
+                self.inflight[self.next_step] = InFlight(sched, now, i < len(group) - 1)
                 self.next_step += 1
             if len(group) < self.group:
                 return
+
+    def _plan_group(self) -> list[Schedule]:
+        """Up to `group` steps planned back to back. With groups, new prompts join only a
+        group's first step, and a group ends at a step that gives a sequence its first token, so
+        that this token goes out at once (a new prompt waits about half a group, then a step,
+        rather than a group and a half); the group after such a one admits nothing, so that
+        decoding sequences get a whole group between admissions."""
+        admit = not self.admit_later
+        self.admit_later = False
+        group: list[Schedule] = []
+        while len(group) < self.group:
+            sched = self.scheduler.next_step(admit=admit and not group)
+            if not sched:
+                break
+            group.append(sched)
+            if self.group > 1 and sched.first_tokens:
+                self.admit_later = True
+                break
+        if not group and not admit:  # held back with nothing else to run: admit after all
+            return self._plan_group()
+        return group
 
     def _count_preemptions(self, sched: Schedule) -> None:
         if not (sched.parks or sched.recomputed or sched.restores):
@@ -337,6 +364,7 @@ class EngineCore:
         rec = self.inflight.pop(msg.step, None)
         if rec is None:
             return
+        self.group_open = rec.hold
         now = time.monotonic()
         self.metrics.step_seconds.observe(now - rec.sent)
         self.forward_seconds[0] += msg.forward_seconds

@@ -138,10 +138,10 @@ class Scheduler:
         n = min(seq.n_remaining, budget)
         return n if seq.fork_at is None else min(n, seq.fork_at - seq.next_position)
 
-    def next_step(self) -> Schedule:
+    def next_step(self, admit: bool = True) -> Schedule:
         """The next step to send (empty: nothing to send now), with the preemption policy
-        around `schedule`. Marks what it takes in flight until `update_from_output` or
-        `fail_step` gives it back."""
+        around `schedule` (`admit`: whether new prompts may join it). Marks what it takes in
+        flight until `update_from_output` or `fail_step` gives it back."""
         if self.preempt_every and self.decode_steps >= self.preempt_every:
             # With several stages some step is nearly always in flight, so a due park holds new
             # steps back until none is, rather than waiting for a moment that may not come.
@@ -153,7 +153,7 @@ class Scheduler:
                 self.preempt(seq, out)
             if out:
                 return self._emit(out)
-        out = self.schedule()
+        out = self.schedule(admit)
         if not out and not self.steps_in_flight:
             # Nothing fits and nothing runs (pages shared between `n` completions do not come
             # back when one holder leaves): preempt the worst sequence so the others can grow.
@@ -166,6 +166,7 @@ class Scheduler:
         for seq, n in out.batch:
             start = seq.next_position
             samples = n == seq.n_remaining
+            out.first_tokens |= samples and not (seq.n_generated or seq.tokens_ahead)
             out.starts.append(start)
             out.samples.append(samples)
             out.after.append(start >= len(seq.token_ids))
@@ -265,9 +266,9 @@ class Scheduler:
             self.cache.clear()
         return len(every)
 
-    def schedule(self) -> Schedule:
-        """The next batch within the limits: decodes, prompt chunks, restores, new sequences;
-        pages reserved for it, sequences that had to make room preempted."""
+    def schedule(self, admit: bool = True) -> Schedule:
+        """The next batch within the limits: decodes, prompt chunks, restores, new sequences
+        (if `admit`); pages reserved for it, sequences that had to make room preempted."""
         out = Schedule(copies=self.copies)
         self.copies = []
         self._share_rows(out)
@@ -315,7 +316,8 @@ class Scheduler:
             if self._reserve(seq, n):
                 out.batch.append((seq, n))
                 budget -= n
-        if out.batch and all(n == 1 for _, n in out.batch) and self._hold_prefills():
+        if not admit or out.batch and all(n == 1 for _, n in out.batch) \
+                and self._hold_prefills():
             return out  # a decode-only step
         while self.waiting and len(out.batch) < self.max_batch_seqs and budget > 0:
             seq = self.waiting[0]
