@@ -124,7 +124,6 @@ class EngineCore:
         # out, (frontend, message, frame)
         self.unsent: list[tuple[int, Outputs, bytes]] = []
         self.next_step = 0
-        self.admit_later = False  # the last group ended on first tokens: the next admits none
         self.group_open = False  # a group's held results came, its last one not yet
         self.forward_seconds = [0.0, 0]  # the last stage's forward time: sum, steps
         self.draining = False
@@ -305,24 +304,14 @@ class EngineCore:
                 return
 
     def _plan_group(self) -> list[Schedule]:
-        """Up to `group` steps planned back to back. With groups, new prompts join only a
-        group's first step, and a group ends at a step that gives a sequence its first token, so
-        that this token goes out at once (a new prompt waits about half a group, then a step,
-        rather than a group and a half); the group after such a one admits nothing, so that
-        decoding sequences get a whole group between admissions."""
-        admit = not self.admit_later
-        self.admit_later = False
+        """Up to `group` steps planned back to back. A group ends early at a step whose only
+        tokens are first ones (nothing else was decoding): on an idle server a request's first
+        token is not held for a group."""
         group: list[Schedule] = []
-        while len(group) < self.group:
-            sched = self.scheduler.next_step(admit=admit and not group)
-            if not sched:
-                break
+        while len(group) < self.group and (sched := self.scheduler.next_step()):
             group.append(sched)
-            if self.group > 1 and sched.first_tokens:
-                self.admit_later = True
+            if sched.only_first_tokens:
                 break
-        if not group and not admit:  # held back with nothing else to run: admit after all
-            return self._plan_group()
         return group
 
     def _count_preemptions(self, sched: Schedule) -> None:

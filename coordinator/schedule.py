@@ -37,7 +37,7 @@ class Schedule:
     new_pages: dict[int, list[int]] = field(default_factory=dict)  # sequence id -> pages added
     announce: set[int] = field(default_factory=set)  # sequences whose sampling goes with it
     free: list[int] = field(default_factory=list)  # sequences the workers forget first
-    first_tokens: bool = False  # whether a sequence samples its first token in it
+    only_first_tokens: bool = False  # it samples, and only sequences' first tokens
 
     def __bool__(self) -> bool:
         return bool(self.batch or self.parks or self.restores or self.recomputed or self.copies)

@@ -138,10 +138,10 @@ class Scheduler:
         n = min(seq.n_remaining, budget)
         return n if seq.fork_at is None else min(n, seq.fork_at - seq.next_position)
 
-    def next_step(self, admit: bool = True) -> Schedule:
+    def next_step(self) -> Schedule:
         """The next step to send (empty: nothing to send now), with the preemption policy
-        around `schedule` (`admit`: whether new prompts may join it). Marks what it takes in
-        flight until `update_from_output` or `fail_step` gives it back."""
+        around `schedule`. Marks what it takes in flight until `update_from_output` or
+        `fail_step` gives it back."""
         if self.preempt_every and self.decode_steps >= self.preempt_every:
             # With several stages some step is nearly always in flight, so a due park holds new
             # steps back until none is, rather than waiting for a moment that may not come.
@@ -153,7 +153,7 @@ class Scheduler:
                 self.preempt(seq, out)
             if out:
                 return self._emit(out)
-        out = self.schedule(admit)
+        out = self.schedule()
         if not out and not self.steps_in_flight:
             # Nothing fits and nothing runs (pages shared between `n` completions do not come
             # back when one holder leaves): preempt the worst sequence so the others can grow.
@@ -163,10 +163,12 @@ class Scheduler:
         return self._emit(out) if out else out
 
     def _emit(self, out: Schedule) -> Schedule:
+        sampled = firsts = 0
         for seq, n in out.batch:
             start = seq.next_position
             samples = n == seq.n_remaining
-            out.first_tokens |= samples and not (seq.n_generated or seq.tokens_ahead)
+            sampled += samples
+            firsts += samples and not (seq.n_generated or seq.tokens_ahead)
             out.starts.append(start)
             out.samples.append(samples)
             out.after.append(start >= len(seq.token_ids))
@@ -179,6 +181,7 @@ class Scheduler:
             if not seq.announced:
                 out.announce.add(seq.id)
                 seq.announced = True
+        out.only_first_tokens = sampled > 0 and firsts == sampled
         out.free = self.to_free + [seq.id for seq in out.recomputed]
         self.to_free = []
         if out.batch and all(n == 1 for _, n in out.batch):
@@ -266,9 +269,9 @@ class Scheduler:
             self.cache.clear()
         return len(every)
 
-    def schedule(self, admit: bool = True) -> Schedule:
-        """The next batch within the limits: decodes, prompt chunks, restores, new sequences
-        (if `admit`); pages reserved for it, sequences that had to make room preempted."""
+    def schedule(self) -> Schedule:
+        """The next batch within the limits: decodes, prompt chunks, restores, new sequences;
+        pages reserved for it, sequences that had to make room preempted."""
         out = Schedule(copies=self.copies)
         self.copies = []
         self._share_rows(out)
@@ -316,8 +319,7 @@ class Scheduler:
             if self._reserve(seq, n):
                 out.batch.append((seq, n))
                 budget -= n
-        if not admit or out.batch and all(n == 1 for _, n in out.batch) \
-                and self._hold_prefills():
+        if out.batch and all(n == 1 for _, n in out.batch) and self._hold_prefills():
             return out  # a decode-only step
         while self.waiting and len(out.batch) < self.max_batch_seqs and budget > 0:
             seq = self.waiting[0]

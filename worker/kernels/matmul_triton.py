@@ -27,7 +27,7 @@ BLOCK_M, BLOCK_K = 64, 128
 MIN_SPLIT_K = 512  # the fewest K positions a split sums
 # (tile width, warps, stages) of a launch of up to BLOCK_M rows and of a larger one: more loads
 # in flight where the weights are the bytes, more programs an SM where the rows are the work
-SMALL_LAUNCH, LARGE_LAUNCH = (64, 4, 4), (64, 4, 3)
+SMALL_LAUNCH, LARGE_LAUNCH = (64, 4, 3), (64, 4, 3)
 
 
 @triton.jit(do_not_specialize=["M"])
