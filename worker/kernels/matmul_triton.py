@@ -25,8 +25,10 @@ from . import sm_count
 # summed from zero, then added in split order) by a count of the weight's and the GPU's.
 BLOCK_M, BLOCK_K = 64, 128
 MIN_SPLIT_K = 512  # the fewest K positions a split sums
-# (tile width, warps, stages) of a launch of up to BLOCK_M rows and of a larger one: more loads
-# in flight where the weights are the bytes, more programs an SM where the rows are the work
+# (tile width, warps, stages) of a launch of up to BLOCK_M rows and of a larger one, kept apart
+# so that each can be tuned alone. Three stages let two programs share an SM, so a one-row launch's
+# splits run as one wave (4 stages: 0.85 of cuBLAS at 1-32 rows on an H200, 3: 0.94-0.95;
+# docs/bench/matmul-sweep-h200.txt).
 SMALL_LAUNCH, LARGE_LAUNCH = (64, 4, 3), (64, 4, 3)
 
 
