@@ -292,27 +292,32 @@ class EngineCore:
         if not self.workers.ready:
             return
         while self._room():
-            group = self._plan_group()
+            group, dry = self._plan_group()
             now = time.monotonic()
             for i, sched in enumerate(group):
+                hold = i < len(group) - 1
                 self.requests.scheduled(sched, now)
                 self._count_preemptions(sched)
-                self.workers.send_frames(step_frames(self.next_step, sched, i < len(group) - 1))
-                self.inflight[self.next_step] = InFlight(sched, now, i < len(group) - 1)
+                self.workers.send_frames(step_frames(self.next_step, sched, hold))
+                self.inflight[self.next_step] = InFlight(sched, now, hold)
                 self.next_step += 1
-            if len(group) < self.group:
+            if dry:
                 return
 
-    def _plan_group(self) -> list[Schedule]:
-        """Up to `group` steps planned back to back. A group ends early at a step whose only
-        tokens are first ones (nothing else was decoding): on an idle server a request's first
-        token is not held for a group."""
+    def _plan_group(self) -> tuple[list[Schedule], bool]:
+        """Up to `group` steps planned back to back, and whether the scheduler ran out of work
+        before the group was full. A group ends early at a step whose only tokens are first
+        ones (nothing else was decoding): on an idle server a request's first token is not held
+        for a group, and the next group is planned ahead behind it."""
         group: list[Schedule] = []
-        while len(group) < self.group and (sched := self.scheduler.next_step()):
+        while len(group) < self.group:
+            sched = self.scheduler.next_step()
+            if not sched:
+                return group, True
             group.append(sched)
             if sched.only_first_tokens:
                 break
-        return group
+        return group, False
 
     def _count_preemptions(self, sched: Schedule) -> None:
         if not (sched.parks or sched.recomputed or sched.restores):
