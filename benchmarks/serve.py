@@ -24,10 +24,14 @@ Columns, per concurrency or rate:
 - in flight: requests sent and not yet ended, averaged over the window;
 - tok/s: tokens received by the clients in the window over its length; req/s: requests that
   ended in it without an error;
-- in-proc tok/s: the ceiling, decode steps of the whole model in this process, batch the
+- in-proc tok/s: a ceiling, decode steps of the whole model in this process, batch the
   concurrency (open loop: the mean in flight, at most --max-batch-seqs), context the prompt
   length, KV on the device, CUDA graphs on CUDA; timed apart from the cluster, never while it
   runs; "of in-proc" is tok/s over it;
+- same-work tok/s: the same steps with the load's prompts in them, batch / output length
+  prompts a step on average, each in the place of a decode row (benchmarks/serve_ceiling.py):
+  the worker's rate on the work the cluster does, which only the engine core, the frontends
+  and the sockets between can lower; "of same-work" is tok/s over it;
 - ttft, itl (gaps between successive chunks of tokens of one request), e2e: p50 and p99 over
   the requests sent in the window;
 - CPU microseconds per output token of the engine core, the frontends, the workers, and of all
@@ -180,8 +184,6 @@ def summarise(records: list[dict[str, Any]], t0: float, t1: float) -> dict[str, 
     }
 
 
-# ---- the ceiling --------------------------------------------------------------------------
-
 # ---- the command --------------------------------------------------------------------------
 
 def positive_list(kind: type) -> Callable[[str], list]:
@@ -241,10 +243,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--client-procs", type=int, default=0,
                    help="client processes (0: 1 up to 64 streams, else min(8, cores/2))")
     p.add_argument("--inprocess-steps", type=int, default=64,
-                   help="timed in-process decode steps a round (the ceiling: the median of "
+                   help="timed in-process steps a round (each ceiling: the median of "
                    f"{INPROCESS_ROUNDS} rounds)")
     p.add_argument("--no-inprocess", dest="inprocess", action="store_false",
-                   help="skip the in-process decode ceiling")
+                   help="skip the in-process ceilings")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="in-process decode runs eagerly (pass the launch flag with --extra)")
     p.add_argument("--baseline", metavar="DIR", default=None,
@@ -372,8 +374,10 @@ def main(argv: list[str]) -> None:
               for label in labels.values()]
     if a.inprocess:
         first = labels[runs[0]]
-        series.append(Series("in-process decode", xs, [Spread.of([p["inprocess"]["tps"]])
-                                                       for p in points if p["arm"] == first]))
+        for key, name in (("inprocess", "in-process decode"),
+                          ("inprocess_work", "in-process, same work")):
+            series.append(Series(name, xs, [Spread.of([p[key]["tps"]])
+                                            for p in points if p["arm"] == first]))
     write_plot(png_path, series,
                title=f"serve ({a.mode} loop): {a.model}, {dtype_name(dtype)}, "
                      f"{machine['device_name']}\nprompt {a.prompt_len}, output {a.output_len} "
@@ -392,7 +396,8 @@ def table(points: list[dict[str, Any]], xname: str) -> str:
     def us(v: float | None) -> str:
         return "-" if v is None else f"{v:.0f}"
 
-    headers = ["arm", xname, "in flight", "tok/s", "in-proc tok/s", "of in-proc", "req/s",
+    headers = ["arm", xname, "in flight", "tok/s", "in-proc tok/s", "of in-proc",
+               "same-work tok/s", "of same-work", "req/s",
                "ttft p50/p99 ms", "itl p50/p99 ms", "e2e p50/p99 s", "core us/tok",
                "frontend us/tok", "worker us/tok", "non-worker us/tok", "step busy",
                "others cores", "errors"]
@@ -400,6 +405,8 @@ def table(points: list[dict[str, Any]], xname: str) -> str:
         p["arm"], f"{p[xname]:g}", f"{p['mean_in_flight']:.1f}", f"{p['output_tps']:.1f}",
         f"{p['inprocess']['tps']:.1f}" if "inprocess" in p else "-",
         f"{p['of_inprocess']:.1%}" if "inprocess" in p else "-",
+        f"{p['inprocess_work']['tps']:.1f}" if "inprocess" in p else "-",
+        f"{p['of_inprocess_work']:.1%}" if "inprocess" in p else "-",
         f"{p['requests_per_s']:.2f}", ms(p["ttft_s"]), ms(p["itl_s"], digits=1),
         ms(p["e2e_s"], 1, 2), us(p["core_us_per_token"]), us(p["frontend_us_per_token"]),
         us(p["worker_us_per_token"]), us(p["non_worker_us_per_token"]),

@@ -12,7 +12,10 @@ import time
 
 import pytest
 
-from benchmarks import proc_cpu, serve, serve_load
+import torch
+
+from benchmarks import proc_cpu, serve, serve_ceiling, serve_load
+from worker.loaders import resolve
 
 
 def test_poisson_arrivals_repeat_with_the_seed_and_average_the_rate():
@@ -135,4 +138,33 @@ def test_a_closed_loop_run_streams_every_token_and_charges_the_core_cpu(tmp_path
         assert point["inprocess"]["batch"] == 2 and point["inprocess"]["tps"] > 0
         assert point["of_inprocess"] == pytest.approx(
             point["output_tps"] / point["inprocess"]["tps"])
+        work = point["inprocess_work"]  # 2 streams of 8 tokens: a prompt every fourth step
+        assert work["batch"] == 2 and work["prompts_per_step"] == 0.25 and work["tps"] > 0
+        assert point["of_inprocess_work"] == pytest.approx(point["output_tps"] / work["tps"])
     assert "non-worker us/tok" in capsys.readouterr().out
+
+
+def test_the_same_work_ceiling_mixes_the_loops_prompts_into_its_steps(monkeypatch):
+    """3 streams of output 2: 1.5 prompts a step, each in a decode row's place and forgotten by
+    the next step; every step samples one token a stream."""
+    plans = []
+
+    class Recording(serve_ceiling.ModelRunner):
+        def apply(self, plan):
+            plans.append(plan)
+            return super().apply(plan)
+
+    monkeypatch.setattr(serve_ceiling, "ModelRunner", Recording)
+    source = resolve("synthetic:tiny")
+    stage = source.load_stage(0, source.args.n_layers, torch.float32, torch.device("cpu"))
+    c = serve_ceiling.inprocess_steps(stage, 3, 20, 1.5, 2, torch.float32, torch.device("cpu"),
+                                      False, "test")
+    assert c["tps"] > 0 and len(plans) == serve_ceiling.INPROCESS_WARMUP + 3 * 2
+    prompts = [[s for s in p.seqs if s.n > 1] for p in plans]
+    assert [len(x) for x in prompts] == [1, 2, 1, 2, 1, 2, 1, 2, 1, 2]
+    for k, plan in enumerate(plans):
+        assert len(plan.seqs) == 3 and all(s.sample for s in plan.seqs)
+        assert all(s.n == 20 and s.start == 0 for s in prompts[k])
+        assert all(s.n == 1 and s.start == 20 + k for s in plan.seqs if s.n == 1)
+        assert plan.free == ([s.id for s in prompts[k - 1]] if k else [])
+        assert len(plan.token_ids) == sum(s.n for s in plan.seqs)
