@@ -30,8 +30,8 @@ Columns, per concurrency or rate:
   runs; "of in-proc" is tok/s over it;
 - same-work tok/s: the same steps with the load's prompts in them, batch / output length
   prompts a step on average, each in the place of a decode row (benchmarks/serve_ceiling.py):
-  the worker's rate on the work the cluster does, which only the engine core, the frontends
-  and the sockets between can lower; "of same-work" is tok/s over it;
+  the worker's rate on the work the cluster does, steps run one after another as in the
+  decode ceiling (a cluster that plans ahead can pass it); "of same-work" is tok/s over it;
 - ttft, itl (gaps between successive chunks of tokens of one request), e2e: p50 and p99 over
   the requests sent in the window;
 - CPU microseconds per output token of the engine core, the frontends, the workers, and of all

@@ -6,8 +6,13 @@ which the cluster's tokens/s is reported against (`add_ceilings`):
   them. A request of output length O takes one step as a prompt (its P rows give its first
   token) and O - 1 as a decode row, so at batch B a step carries B / O prompts on average, each
   in the place of a decode row: B tokens a step either way, but a step past a few hundred rows
-  is bound by the matmuls' compute, and prompt rows cost what a decode step cannot hide. What
-  the engine core and the frontends lose is the cluster's tokens/s against this one.
+  is bound by the matmuls' compute, and prompt rows cost what a decode step cannot hide.
+
+Both run steps one after another, each waiting for its tokens before the next is planned: the
+host's work for a step is not hidden behind the device's, as a cluster's worker hides it when
+it plans ahead. Where that host work is large (a step's 256 prompt rows) the cluster passes
+the same-work rate (1.16-1.21x on an H100 at 32-256 streams, docs/benchmarks.md): a ratio
+above 1 says the engine core and the frontends took nothing measurable from the worker.
 """
 
 from __future__ import annotations
@@ -98,7 +103,7 @@ def inprocess_steps(stage: StageModel, batch: int, context: int, prompts: float,
     last: list[int] = []  # the prompts of the step before
     paged: set[int] = set()  # decode sequences given their pages (on the first step they run)
 
-    def step(k: int) -> None:
+    def step(runner: ModelRunner, k: int) -> None:
         nonlocal last
         n = min(batch, math.floor((k + 1) * prompts) - math.floor(k * prompts))
         base = decode_pages + (k % 2) * most * per_prompt
@@ -116,14 +121,14 @@ def inprocess_steps(stage: StageModel, batch: int, context: int, prompts: float,
         last = ids
 
     for k in range(INPROCESS_WARMUP):
-        step(k)
+        step(runner, k)
     sync(device)
     t0, busy, mine = time.perf_counter(), machine_busy(), cpu_seconds(os.getpid())
     rounds = []
     for r in range(INPROCESS_ROUNDS):
         start = time.perf_counter()
         for k in range(steps):
-            step(INPROCESS_WARMUP + r * steps + k)
+            step(runner, INPROCESS_WARMUP + r * steps + k)
         sync(device)
         rounds.append(time.perf_counter() - start)
     seconds = time.perf_counter() - t0

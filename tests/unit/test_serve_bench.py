@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 import torch
 
 from benchmarks import proc_cpu, serve, serve_ceiling, serve_load
