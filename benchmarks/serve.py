@@ -248,7 +248,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-inprocess", dest="inprocess", action="store_false",
                    help="skip the in-process ceilings")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="in-process decode runs eagerly (pass the launch flag with --extra)")
+                   help="in-process steps run eagerly (pass the launch flag with --extra)")
     p.add_argument("--baseline", metavar="DIR", default=None,
                    help="also load a cluster run from another checkout (say `git worktree add "
                    "DIR main`), point by point after this tree's: a side-by-side A/B")

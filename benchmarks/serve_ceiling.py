@@ -47,8 +47,8 @@ INPROCESS_ROUNDS = 3  # rounds of --inprocess-steps timed steps; the ceiling is 
 
 def add_ceilings(points: list[dict[str, Any]], xname: str, a: argparse.Namespace,
                  dtype: torch.dtype, device: torch.device, scenario: str) -> None:
-    """Each point's in-process rates (one measurement per batch size) and its ratios to them:
-    `inprocess` (decode) and `inprocess_work` (the same work)."""
+    """Each point's in-process rates and its ratios to them, `inprocess` (decode) and
+    `inprocess_work` (the same work): one measurement of each per batch size."""
     progress(scenario, f"in-process steps: loading {a.model} ({dtype_name(dtype)}, {device})")
     source = resolve(a.model)
     stage = source.load_stage(0, source.args.n_layers, dtype, device)
