@@ -34,7 +34,11 @@ import triton.language as tl
 from . import Scratch, sm_count, states_bytes
 
 TILE = 64  # key positions a row's state is computed over alone, then merged in order
-BLOCK_ROWS = 64  # (query position, head) rows per attention program
+# (query position, head) rows per attention program, the fewest a tensor-core product takes: a
+# decode row (a block of one position) computes 16 tile rows, of which rep are its own. At 64 a
+# decode step's attention cost twice default mode's on an H100; at 16 a long prompt's costs more
+# (its keys read once per 16 rows): docs/exact-mode.md, "Cost"
+BLOCK_ROWS = 16
 MERGE_CHUNK = 8  # tile states the merge kernel loads before it merges them
 # Spread where a launch has fewer (block, KV head) programs than SMs / SPREAD_BELOW: on an H200
 # a spread tile costs more than a walked one, so spreading pays only where most SMs would idle
@@ -285,7 +289,7 @@ def launch(q, k_pool, v_pool, tables, base, blocks, positions, states, out, scal
         q, k_pool, v_pool, tables, base, blocks, positions, m, l_tile, o, out, q.stride(0),
         q.stride(1), out.stride(0), out.stride(1), k_pool.stride(0), k_pool.stride(1),
         k_pool.stride(2), k_pool.shape[1], max_tiles, scale, H=h, REP=rep, REP_P2=rep_p2,
-        BLOCK_P=BLOCK_ROWS // rep_p2, D=d, TILE=TILE, SPREAD=states is not None, **NO_FUSION)
+        BLOCK_P=block_rows(h, kvh), D=d, TILE=TILE, SPREAD=states is not None, **NO_FUSION)
     if states is not None:
         _merge_kernel[(blocks.shape[0], kvh)](
             blocks, positions, m, l_tile, o, out, out.stride(0), out.stride(1), max_tiles, H=h,
