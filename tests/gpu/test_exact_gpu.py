@@ -34,7 +34,15 @@ from exactness.invariance import (  # noqa: E402
 )
 
 from worker.attention import choose_attention, gather_attention  # noqa: E402
-from worker.kernels import flash_triton, matmul_triton, paged_triton, rowwise_triton  # noqa: E402
+from worker.kernels import (  # noqa: E402
+    ATTENTION_SPLIT,
+    Scratch,
+    flash_triton,
+    matmul_triton,
+    paged_triton,
+    rowwise_triton,
+    splits_bucket,
+)
 from worker.model import RMSNorm  # noqa: E402
 
 DEV, DT = "cuda", torch.bfloat16
@@ -171,6 +179,39 @@ def test_default_attention_on_cuda_is_the_flash_kernel_and_matches_the_dense_ref
         for (seq, start, n), out in zip(rows, chosen, strict=True):
             ref = dense_reference(seqs, seq, start, n)
             torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+class CapturedAttention:
+    """Default mode's attention as a captured step launches it (`flash_triton.StepAttention`,
+    split kernels over a bucket's buffers), every launch on one scratch as a worker's graphs."""
+
+    def __init__(self):
+        self.scratch = Scratch(torch.device(DEV))
+
+    def __call__(self, q, k_pool, v_pool, meta, scale):
+        keys = splits_bucket(max(meta.context_lens)) * ATTENTION_SPLIT
+        step = flash_triton.StepAttention(q.shape[0], keys, q.shape[1], k_pool.shape[2],
+                                          q.shape[2], self.scratch)
+        blocks, tables = paged_triton.step_blocks(meta, step.block_rows)
+        out = torch.empty_like(q)
+        step(q.contiguous(), k_pool, v_pool, tables, paged_triton.zero_base(q.device), blocks,
+             meta.positions, out, scale)
+        return out
+
+
+@pytest.mark.parametrize("whole_keys", [flash_triton.WHOLE_KEYS, 256, 0])
+def test_captured_default_attention_walks_or_splits_prompt_blocks_and_matches_the_reference(
+        whole_keys, monkeypatch):
+    # 256: the 300- and 700-key prompt blocks split, the 7-key one walked whole; 0: all split.
+    # Each launch's rows reuse the last one's: a row marked walked whole must not stay so.
+    monkeypatch.setattr(flash_triton, "WHOLE_KEYS", whole_keys)
+    seqs, attend = paged(0), CapturedAttention()
+    for rows in ([(2, 4, 3), (3, 0, 300), (0, 699, 1), (0, 500, 199), (1, 40, 1)],
+                 [(0, 699, 1), (1, 40, 1), (3, 299, 1), (2, 6, 1)],
+                 [(3, 100, 200), (2, 0, 7), (1, 39, 2)]):
+        for (seq, start, n), out in zip(rows, seqs.attend(attend, rows), strict=True):
+            torch.testing.assert_close(out.float(), dense_reference(seqs, seq, start, n),
+                                       rtol=2e-2, atol=2e-2)
 
 
 def test_exact_stage_gives_a_prompt_the_same_bits_in_one_chunk_or_any_chunks():

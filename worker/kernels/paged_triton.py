@@ -39,6 +39,10 @@ TILE = 64  # key positions a row's state is computed over alone, then merged in 
 # decode step's attention cost twice default mode's on an H100; at 16 a long prompt's costs more
 # (its keys read once per 16 rows): docs/exact-mode.md, "Cost"
 BLOCK_ROWS = 16
+# Warps per attention program, one number in every launch (a row's bits depend on it): two make
+# prompts 1.2-1.3x faster and batch-32 decode 1.15x, but batch-1 and -4 decode 7% slower on an
+# H100 (docs/exact-mode.md, "Cost")
+WARPS = 4
 MERGE_CHUNK = 8  # tile states the merge kernel loads before it merges them
 # Spread where a launch has fewer (block, KV head) programs than SMs / SPREAD_BELOW: on an H200
 # a spread tile costs more than a walked one, so spreading pays only where most SMs would idle
@@ -289,7 +293,8 @@ def launch(q, k_pool, v_pool, tables, base, blocks, positions, states, out, scal
         q, k_pool, v_pool, tables, base, blocks, positions, m, l_tile, o, out, q.stride(0),
         q.stride(1), out.stride(0), out.stride(1), k_pool.stride(0), k_pool.stride(1),
         k_pool.stride(2), k_pool.shape[1], max_tiles, scale, H=h, REP=rep, REP_P2=rep_p2,
-        BLOCK_P=block_rows(h, kvh), D=d, TILE=TILE, SPREAD=states is not None, **NO_FUSION)
+        BLOCK_P=block_rows(h, kvh), D=d, TILE=TILE, SPREAD=states is not None, num_warps=WARPS,
+        **NO_FUSION)
     if states is not None:
         _merge_kernel[(blocks.shape[0], kvh)](
             blocks, positions, m, l_tile, o, out, out.stride(0), out.stride(1), max_tiles, H=h,
