@@ -199,12 +199,9 @@ class CapturedAttention:
         return out
 
 
-@pytest.mark.parametrize("whole_keys", [flash_triton.WHOLE_KEYS, 256, 0])
-def test_captured_default_attention_walks_or_splits_prompt_blocks_and_matches_the_reference(
-        whole_keys, monkeypatch):
-    # 256: the 300- and 700-key prompt blocks split, the 7-key one walked whole; 0: all split.
-    # Each launch's rows reuse the last one's: a row marked walked whole must not stay so.
-    monkeypatch.setattr(flash_triton, "WHOLE_KEYS", whole_keys)
+def test_captured_default_attention_matches_the_dense_reference():
+    # prompt blocks and decode rows split alike in one launch, each launch's partial results in
+    # the scratch the last one's used
     seqs, attend = paged(0), CapturedAttention()
     for rows in ([(2, 4, 3), (3, 0, 300), (0, 699, 1), (0, 500, 199), (1, 40, 1)],
                  [(0, 699, 1), (1, 40, 1), (3, 299, 1), (2, 6, 1)],

@@ -39,10 +39,6 @@ BLOCK_KV = 64  # key positions per tile of a decode split; divides every split
 SPLIT_SCRATCH_BYTES = 1 << 30
 COMBINE_CHUNK = 32  # splits a combine program loads at once
 WHOLE_PROMPT_ROWS = 2048  # a whole prompt this long goes to `whole_prompt`
-# A captured step's prompt block with fewer keys is walked whole by one program rather than
-# split (`_attention_split_kernel`): its splits' partial outputs and their combine cost more
-# than the walk where a step's prompt rows outnumber its decode rows
-WHOLE_KEYS = 2048
 
 
 @triton.jit
@@ -110,27 +106,21 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, blocks_ptr, pos_ptr, out_ptr,
 @triton.jit(do_not_specialize=["max_splits"])
 def _attention_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, base_ptr, blocks_ptr, pos_ptr, m_ptr, l_ptr, o_ptr,
-    out_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
-    page_size, max_splits, scale, H: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr,
-    BLOCK_P: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr,
-    WHOLE_KEYS: tl.constexpr,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, page_size, max_splits,
+    scale, H: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr, BLOCK_P: tl.constexpr,
+    D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr,
 ):
     # One program: up to BLOCK_P query positions of one sequence (a block) x the REP query heads
     # of one KV head, over split j of the keys. Tile rows are (position, head) pairs. A block is
     # (where its sequence's pages start in the flat tables, first row, rows); a page id read
-    # there is offset by *base_ptr (the layer's slot in a staging ring, else 0). A block of
-    # prompt rows (more than one) whose keys are fewer than WHOLE_KEYS is walked whole by its
-    # split 0's program, which writes the rows' outputs and marks their split 0 done (a max of
-    # +inf) for the combine to pass over; its other splits' programs have nothing to do.
+    # there is offset by *base_ptr (the layer's slot in a staging ring, else 0).
     qb, kvh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    table, _, n, valid, t, h, pos = block_tile_rows(blocks_ptr, pos_ptr, qb, kvh, REP, REP_P2,
+    table, _, _, valid, t, h, pos = block_tile_rows(blocks_ptr, pos_ptr, qb, kvh, REP, REP_P2,
                                                     BLOCK_P)
     page_base = tl.load(base_ptr)
     last = tl.max(pos, axis=0)
-    whole = (n > 1) & (last < WHOLE_KEYS)
-    start = tl.where(whole, 0, j * SPLIT)
-    end = tl.where(whole, tl.where(j == 0, last + 1, 0), tl.minimum(j * SPLIT + SPLIT, last + 1))
-    if start < end:
+    start = j * SPLIT
+    if start <= last:
         d = tl.arange(0, D)
         q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
                     mask=valid[:, None], other=0.0)
@@ -139,6 +129,7 @@ def _attention_split_kernel(
         acc = tl.zeros((BLOCK_P * REP_P2, D), tl.float32)
         # loads run ahead of the arithmetic: a tile's keys and values one tile ahead, its page
         # ids two
+        end = tl.minimum(start + SPLIT, last + 1)
         tile = tl.arange(0, BLOCK_KV)
         pages = tile_pages(tables_ptr, table, page_base, start + tile, end, page_size)
         k_next, v_next = tile_kv(k_ptr, v_ptr, pages, start + tile, end, kvh, d, stride_kp,
@@ -161,16 +152,10 @@ def _attention_split_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         idx = (t * H + h) * max_splits + j
-        if whole:
-            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
-            tl.store(m_ptr + idx, tl.full(m_i.shape, float("inf"), tl.float32), mask=valid)
-        else:
-            keep = valid & (pos >= start)
-            tl.store(m_ptr + idx, m_i, mask=keep)
-            tl.store(l_ptr + idx, l_i, mask=keep)
-            tl.store(o_ptr + idx[:, None] * D + d[None, :], acc, mask=keep[:, None])
+        keep = valid & (pos >= start)
+        tl.store(m_ptr + idx, m_i, mask=keep)
+        tl.store(l_ptr + idx, l_i, mask=keep)
+        tl.store(o_ptr + idx[:, None] * D + d[None, :], acc, mask=keep[:, None])
 
 
 @triton.jit(do_not_specialize=["max_splits"])
@@ -179,20 +164,11 @@ def _attention_combine_kernel(m_ptr, l_ptr, o_ptr, row_pos_ptr, out_ptr, stride_
                               SPLIT: tl.constexpr, CHUNK: tl.constexpr):
     # A row's splits, CHUNK at a time in logical order: each chunk's loads are issued together
     # (split by split, a 4,096-key decode row waited on 2 x 128 loads in turn), and the order of
-    # the sums depends on the row's own split count alone. A row whose split 0 is marked done
-    # (a prompt row walked whole) has its output already.
+    # the sums depends on the row's own split count alone
     t, h = tl.program_id(0), tl.program_id(1)
     pos = tl.load(row_pos_ptr + t)  # -1: a padding row (its output is zeros)
     n = tl.where(pos < 0, 0, pos // SPLIT + 1)  # this row's splits
     base = (t.to(tl.int64) * H + h) * max_splits
-    if (n == 0) | (tl.load(m_ptr + base) != float("inf")):
-        _combine_row(m_ptr, l_ptr, o_ptr, out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh,
-                     base, n, D, CHUNK)
-
-
-@triton.jit
-def _combine_row(m_ptr, l_ptr, o_ptr, out_ptr, base, n, D: tl.constexpr, CHUNK: tl.constexpr):
-    # splits base .. base + n - 1 of one (row, head), merged into its output at out_ptr
     d = tl.arange(0, D)
     c = tl.arange(0, CHUNK)
     m = tl.full((), float("-inf"), tl.float32)
@@ -208,7 +184,8 @@ def _combine_row(m_ptr, l_ptr, o_ptr, out_ptr, base, n, D: tl.constexpr, CHUNK: 
         o = tl.load(o_ptr + (base + j + c)[:, None] * D + d[None, :], mask=live[:, None],
                     other=0.0)
         acc += tl.sum(o * w[:, None], axis=0)
-    tl.store(out_ptr + d, tl.where(l_sum > 0, acc / l_sum, 0.0).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d,
+             tl.where(l_sum > 0, acc / l_sum, 0.0).to(out_ptr.dtype.element_ty))
 
 
 def flash(q, k_pool, v_pool, meta, scale: float, tiles: tuple[int, int, int] | None = None,
@@ -305,11 +282,10 @@ def launch_decode(q, k_pool, v_pool, tables, base, blocks, positions, scratch, o
     m, l_split, o = scratch
     max_splits = m.shape[2]
     _attention_split_kernel[(blocks.shape[0], k_pool.shape[2], max_splits)](
-        q, k_pool, v_pool, tables, base, blocks, positions, m, l_split, o, out,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_pool.stride(0),
-        k_pool.stride(1), k_pool.stride(2), k_pool.shape[1], max_splits, scale, H=h, REP=rep,
-        REP_P2=triton.next_power_of_2(rep), BLOCK_P=block_p, D=d, SPLIT=split,
-        BLOCK_KV=BLOCK_KV, WHOLE_KEYS=WHOLE_KEYS,
+        q, k_pool, v_pool, tables, base, blocks, positions, m, l_split, o,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        k_pool.shape[1], max_splits, scale, H=h, REP=rep, REP_P2=triton.next_power_of_2(rep),
+        BLOCK_P=block_p, D=d, SPLIT=split, BLOCK_KV=BLOCK_KV,
     )
     _attention_combine_kernel[(t, h)](m, l_split, o, positions, out, out.stride(0),
                                       out.stride(1), max_splits, H=h, D=d, SPLIT=split,
