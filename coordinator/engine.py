@@ -25,6 +25,7 @@ from protocol.busy_poll import BusyPoller, busy_seconds
 from protocol.errors import ErrorCode
 from protocol.messages import (
     Cancel,
+    Heartbeat,
     Outputs,
     Ready,
     Register,
@@ -101,6 +102,7 @@ class EngineCore:
         self.frontends = FrontendGroup(self.ctx, config)
         # how the loop waits: --busy-poll, auto resolved once the workers' devices are known
         self.busy = BusyPoller(0.0)
+        self.heard = False  # a message besides heartbeats since the last poll (`_poll`)
         w = config.worker
         pool = PageAllocator(w.kv_pages)
         cache = None
@@ -229,6 +231,7 @@ class EngineCore:
         cold on a busy 2-core machine, docs/benchmarks.md) and waits for nothing it could have
         had sooner."""
         events = self.busy.poll(poller, timeout_ms)
+        self.heard = False
         if self.worker_sock in events:
             self._drain(self.worker_sock, "worker", self._on_worker)
             # the rest of a group, sent back to back, is microseconds behind: one wake for all
@@ -236,6 +239,8 @@ class EngineCore:
                 self._drain(self.worker_sock, "worker", self._on_worker)
         if self.frontends.sock in events or (poller is self.poll_workers and self._room()):
             self._drain(self.frontends.sock, "frontend", self._on_frontend)
+        if events and not self.heard:  # the frontends' heartbeats of an idle cluster
+            self.busy.signs_of_life()
         self._send_outputs()
 
     def _send_outputs(self) -> None:
@@ -268,6 +273,7 @@ class EngineCore:
     # ---- frontends --------------------------------------------------------------------------
 
     def _on_frontend(self, identity: bytes, msg, frames) -> None:
+        self.heard |= not isinstance(msg, Heartbeat)
         h = self.frontends.note(identity, msg)
         if h is None:
             return
@@ -335,6 +341,7 @@ class EngineCore:
     # ---- workers ----------------------------------------------------------------------------
 
     def _on_worker(self, identity: bytes, msg, frames) -> None:
+        self.heard |= not isinstance(msg, Heartbeat)
         if not self.workers.ready:
             self.workers.on_startup_message(identity, msg)
             if self.workers.ready:

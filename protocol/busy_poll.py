@@ -8,7 +8,8 @@ took 670 us blocking and 443 us with both ends spinning, against 95 us back to b
 (`docs/benchmarks.md`, "prefix"). A spinning process takes one core while it spins, so
 `auto` spins only where the cluster runs on CUDA devices (hosts with cores to spare, as vLLM's
 workers spin on their shared-memory queue), for AUTO_SECONDS after the last message; on a CPU
-the cores are the model's, and nothing spins.
+the cores are the model's, and nothing spins. Heartbeats open no window (`signs_of_life`): a
+frontend's, every 2 s, kept an idle engine core spinning half the time.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class BusyPoller:
     def __init__(self, seconds: float):
         self.seconds = seconds
         self.last = time.monotonic()  # the last event (start-up counts as one)
+        self.before = self.last  # `last` before the latest event came
 
     def poll(self, poller: zmq.Poller, timeout_ms: int) -> dict:
         """The events of `poller` within `timeout_ms` (0: now; never forever), as a dict."""
@@ -44,12 +46,20 @@ class BusyPoller:
             spin_until = min(deadline, self.last + self.seconds)
             while now < spin_until:
                 if events := poller.poll(0):
-                    self.last = time.monotonic()
+                    self._came()
                     return dict(events)
                 os.sched_yield()
                 now = time.monotonic()
             timeout_ms = max(0, round((deadline - now) * 1000))
         events = poller.poll(timeout_ms)
         if events:
-            self.last = time.monotonic()
+            self._came()
         return dict(events)
+
+    def signs_of_life(self) -> None:
+        """What the last poll returned were only heartbeats: they open no window, or an idle
+        process that hears one every few seconds would spin for good."""
+        self.last = self.before
+
+    def _came(self) -> None:
+        self.before, self.last = self.last, time.monotonic()

@@ -126,3 +126,15 @@ def test_a_message_ends_the_spin_and_opens_the_window_again(pair):
     assert busy.last == before
     a.send(b"more")
     assert waited(busy, poller, 0)[0] == {b: zmq.POLLIN} and busy.last > before
+
+
+def test_heartbeats_open_no_window(pair):
+    a, b, poller = pair
+    busy = BusyPoller(10.0)
+    busy.last = opened = time.monotonic() - 20  # the window has long closed
+    a.send(b"heartbeat")
+    assert waited(busy, poller, 100)[0] == {b: zmq.POLLIN} and busy.last > opened
+    busy.signs_of_life()  # its owner read it: only a heartbeat
+    assert busy.last == opened
+    poller = CountingPoller()
+    assert busy.poll(poller, 50) == {} and poller.looks == 0 and poller.waits == [50]
