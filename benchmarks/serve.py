@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import os
 import random
 import shlex
@@ -251,7 +250,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="in-process steps run eagerly (pass the launch flag with --extra)")
     p.add_argument("--baseline", metavar="DIR", default=None,
                    help="also load a cluster run from another checkout (say `git worktree add "
-                   "DIR main`), point by point after this tree's: a side-by-side A/B")
+                   "DIR main`), point by point beside this tree's, first at every other point: a "
+                   "side-by-side A/B")
     p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
     a = p.parse_args(argv)
     if a.mode == "open" and a.rate is None:
@@ -285,6 +285,13 @@ def cluster_args(a: argparse.Namespace, dtype: torch.dtype, threads: int) -> lis
         *(["--frontends", str(a.frontends)] if a.frontends != 1 else []),
         *shlex.split(a.extra),
     ]
+
+
+def run_order(xs: list, runs: list[tuple[str, str]]) -> list[tuple[Any, tuple[str, str]]]:
+    """(point, run) in the order they run: point by point, the runs in turn, their order
+    reversed at every other point, so that where the run after a pause is the slower (as on a
+    2-core VM, docs/benchmarks.md) no arm is always first."""
+    return [(x, run) for i, x in enumerate(xs) for run in (runs if i % 2 == 0 else runs[::-1])]
 
 
 def default_procs(streams: int) -> int:
@@ -329,7 +336,7 @@ def main(argv: list[str]) -> None:
             idle[arm] = idle_cores(clusters[arm].proc.pid)
             progress(SCENARIO, f"idle {arm} cluster: " + ", ".join(
                 f"{name} {cores:.3f}" for name, cores in idle[arm].items()) + " cores")
-        for x, (arm, api) in itertools.product(xs, runs):
+        for x, (arm, api) in run_order(xs, runs):
             cluster, label = clusters[arm], labels[arm, api]
             endpoints = (cluster.http if api == "http" else cluster.endpoint).split(",")
             spec = dict(base, api=api, concurrency=x, endpoints=endpoints) \

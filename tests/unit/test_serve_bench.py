@@ -167,3 +167,11 @@ def test_the_same_work_ceiling_mixes_the_loops_prompts_into_its_steps(monkeypatc
         assert all(s.n == 1 and s.start == 20 + k for s in plan.seqs if s.n == 1)
         assert plan.free == ([s.id for s in prompts[k - 1]] if k else [])
         assert len(plan.token_ids) == sum(s.n for s in plan.seqs)
+
+
+def test_the_arms_take_turns_going_first_point_by_point():
+    runs = [("siding", "zmq"), ("siding", "http"), ("baseline", "zmq")]
+    order = serve.run_order([32, 128, 256], runs)
+    assert [x for x, _ in order] == [32] * 3 + [128] * 3 + [256] * 3
+    assert [run for _, run in order] == runs + runs[::-1] + runs
+    assert serve.run_order([16], runs[:1]) == [(16, runs[0])]
