@@ -80,13 +80,13 @@ def read_cpu(names: dict[int, str]) -> dict[int, tuple[str, float | None]]:
     return {pid: (name, cpu_seconds(pid)) for pid, name in names.items()}
 
 
-def idle_cores(core: int) -> dict[str, float]:
-    """Cores each cluster process keeps busy over IDLE_S seconds with nothing to do: the part
-    of its per-token CPU that is not per token."""
+def idle_cores(core: int, seconds: float = IDLE_S) -> dict[str, float]:
+    """Cores each cluster process keeps busy over the next `seconds` with nothing to do: the
+    part of its per-token CPU that is not per token."""
     names = cluster_processes(core)
     start = read_cpu(names)
-    time.sleep(IDLE_S)
-    return {c["name"]: c["cores"] for c in cpu_use(start, read_cpu(names), 0, IDLE_S)}
+    time.sleep(seconds)
+    return {c["name"]: c["cores"] for c in cpu_use(start, read_cpu(names), 0, seconds)}
 
 
 def machine_busy() -> float:

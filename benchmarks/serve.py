@@ -36,9 +36,9 @@ Columns, per concurrency or rate:
   the requests sent in the window;
 - CPU microseconds per output token of the engine core, the frontends, the workers, and of all
   but the workers (non-worker), from utime + stime in /proc/<pid>/stat at the window's ends
-  (the idle cluster's cores, read once before the first point, are in the record: at low
-  rates they are a good part of it); a second table gives each process, with the bench's own
-  client processes, and the cores it kept busy;
+  (the idle cluster's cores, read once before the first point, after the busy-poll window its
+  start-up opened, are in the record: at low rates they are a good part of it); a second table
+  gives each process, with the bench's own client processes, and the cores it kept busy;
 - others cores: the cores the rest of the machine kept busy meanwhile (/proc/stat's busy time
   less all of the above): on a shared machine, the load that skews the point;
 - step busy: the share of the window the last stage spent in steps (its
@@ -63,9 +63,11 @@ from typing import Any
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from coordinator.cli import build_parser
 from coordinator.config import threads_per_worker
 from coordinator.local_cluster import LocalCluster, checkout_env
 from coordinator.prometheus_config import free_metrics_port, worker_ports
+from protocol.busy_poll import busy_seconds
 from worker.build import resolve_dtype
 from worker.loaders import DEFAULT_MODEL, resolve
 
@@ -324,6 +326,10 @@ def main(argv: list[str]) -> None:
               for run in runs}
     points = []
     idle = {}
+    # how long a process polls in a loop after a message (--busy-poll): the idle cores are read
+    # once a cluster's processes have stopped spinning for their start-up
+    spin = busy_seconds(build_parser().parse_args(["launch", *launch]).busy_poll,
+                        a.device.split(","))
     with contextlib.ExitStack() as stack:
         clusters, last_stage = {}, {}
         for arm, root in arms.items():
@@ -333,6 +339,7 @@ def main(argv: list[str]) -> None:
                                else []), "--metrics-port", str(port)]
             progress(SCENARIO, f"starting {arm} ({root or 'this tree'}): {' '.join(args)}")
             clusters[arm] = stack.enter_context(LocalCluster(*args, root=root))
+            time.sleep(spin)  # the windows its start-up's last messages opened
             idle[arm] = idle_cores(clusters[arm].proc.pid)
             progress(SCENARIO, f"idle {arm} cluster: " + ", ".join(
                 f"{name} {cores:.3f}" for name, cores in idle[arm].items()) + " cores")

@@ -6,18 +6,11 @@ from __future__ import annotations
 
 import time
 
-from benchmarks.proc_cpu import cluster_processes, cpu_seconds
+from benchmarks.proc_cpu import idle_cores
 from protocol import Client
 
 WINDOW_S = 2.0
 IDLE_S = 5.0  # two or three of a frontend's heartbeats
-
-
-def cores(pids: dict[int, str], seconds: float) -> dict[str, float]:
-    """The cores each process keeps busy over the next `seconds`."""
-    start = {pid: cpu_seconds(pid) for pid in pids}
-    time.sleep(seconds)
-    return {pids[pid]: (cpu_seconds(pid) - t0) / seconds for pid, t0 in start.items()}
 
 
 def test_an_idle_cluster_spins_only_in_the_window_after_a_request(launch):
@@ -25,10 +18,9 @@ def test_an_idle_cluster_spins_only_in_the_window_after_a_request(launch):
     with Client(c.endpoint, timeout=60) as client:
         assert len(client.generate(prompt_token_ids=[5, 6, 7], max_tokens=4,
                                    ignore_eos=True).token_ids) == 4
-    pids = cluster_processes(c.proc.pid)
-    after = cores(pids, WINDOW_S / 2)
+    after = idle_cores(c.proc.pid, WINDOW_S / 2)
     assert after["core"] > 0.25, after  # spinning (three processes on CI's two cores)
     time.sleep(WINDOW_S / 2 + 0.5)  # the request's window closes
-    idle = cores(pids, IDLE_S)
+    idle = idle_cores(c.proc.pid, IDLE_S)
     # spinning through each heartbeat's window kept the core a quarter to half busy
     assert max(idle.values()) < 0.1, idle
