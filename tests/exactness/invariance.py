@@ -10,6 +10,7 @@ import random
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from worker.attention import choose_attention
 from worker.batch import build_meta
@@ -73,6 +74,19 @@ class PagedSequences:
         q = torch.cat([self.q[i][s : s + n] for i, s, n in rows])
         out = attn(q, self.k_pool, self.v_pool, meta, self.q[0].shape[-1] ** -0.5)
         return [out[meta.query_starts[b] : meta.query_starts[b + 1]] for b in range(len(rows))]
+
+    def dense(self, seq: int, start: int, n: int) -> torch.Tensor:
+        """Rows start .. start + n - 1 of sequence `seq` attended in float32 over its pages
+        gathered, by PyTorch: the reference an attention kernel is held to."""
+        end = start + n
+        k, v = (p[self.tables[seq]].flatten(0, 1)[:end].float()
+                for p in (self.k_pool, self.v_pool))
+        dev = self.k_pool.device
+        mask = (torch.arange(end, device=dev)[None, :]
+                <= torch.arange(start, end, device=dev)[:, None])
+        return F.scaled_dot_product_attention(
+            self.q[seq][start:end].float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, enable_gqa=True).transpose(0, 1)
 
     def alone(self, attn: Callable, seq: int, positions: range) -> torch.Tensor:
         """Each position of `seq` as a decode step of its own."""

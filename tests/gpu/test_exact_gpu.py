@@ -6,7 +6,6 @@ import importlib.util
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
@@ -137,21 +136,10 @@ def test_attention_decode_row_ignores_its_neighbours():
         assert torch.equal(out[rows.index((1, 40, 1))], alone), rows
 
 
-def dense_reference(seqs: PagedSequences, seq: int, start: int, n: int) -> torch.Tensor:
-    """Rows start .. start + n - 1 of sequence `seq` attended in float32 over its pages gathered."""
-    end = start + n
-    k, v = (p[seqs.tables[seq]].flatten(0, 1)[:end].float() for p in (seqs.k_pool, seqs.v_pool))
-    q = seqs.q[seq][start:end].float()
-    mask = torch.arange(end, device=DEV)[None, :] <= torch.arange(start, end, device=DEV)[:, None]
-    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                          v.transpose(0, 1), attn_mask=mask,
-                                          enable_gqa=True).transpose(0, 1)
-
-
 def test_attention_matches_the_dense_reference():
     seqs = paged(0)
     out = seqs.attend(paged_triton.paged_attention, [(0, 500, 200)])[0]
-    torch.testing.assert_close(out.float(), dense_reference(seqs, 0, 500, 200), rtol=2e-2,
+    torch.testing.assert_close(out.float(), seqs.dense(0, 500, 200), rtol=2e-2,
                                atol=2e-2)
 
 
@@ -177,7 +165,7 @@ def test_default_attention_on_cuda_is_the_flash_kernel_and_matches_the_dense_ref
         for a, b in zip(chosen, seqs.attend(flash_triton.paged_attention, rows), strict=True):
             assert torch.equal(a, b)
         for (seq, start, n), out in zip(rows, chosen, strict=True):
-            ref = dense_reference(seqs, seq, start, n)
+            ref = seqs.dense(seq, start, n)
             torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 
@@ -207,7 +195,7 @@ def test_captured_default_attention_matches_the_dense_reference():
                  [(0, 699, 1), (1, 40, 1), (3, 299, 1), (2, 6, 1)],
                  [(3, 100, 200), (2, 0, 7), (1, 39, 2)]):
         for (seq, start, n), out in zip(rows, seqs.attend(attend, rows), strict=True):
-            torch.testing.assert_close(out.float(), dense_reference(seqs, seq, start, n),
+            torch.testing.assert_close(out.float(), seqs.dense(seq, start, n),
                                        rtol=2e-2, atol=2e-2)
 
 
