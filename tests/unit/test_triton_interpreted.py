@@ -78,13 +78,14 @@ def check_default_attention() -> None:
     q = torch.cat([seqs.q[3][299:300], seqs.q[0][149:150]])
     meta = build_meta([299, 149], [1, 1], [seqs.tables[3], seqs.tables[0]], [True, True], PAGE,
                       "cpu")
-    blocks, tables = flash.paged.step_blocks(meta, flash.decode_block(HEADS, KV_HEADS))
+    block_p = flash.decode_block(HEADS, KV_HEADS)
+    blocks, tables = flash.paged.step_blocks(meta, block_p)
     for split in (64, 128, 256):
         out = torch.empty_like(q)
         scratch = Scratch("cpu").states((2, HEADS, -(-300 // split)), HEAD_DIM)
         flash.launch_decode(q, seqs.k_pool, seqs.v_pool, tables, flash.paged.zero_base("cpu"),
                             blocks, meta.positions, scratch, out, HEAD_DIM ** -0.5, split,
-                            flash.decode_block(HEADS, KV_HEADS))
+                            block_p)
         torch.testing.assert_close(out[:1], seqs.dense(3, 299, 1), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(out[1:], seqs.dense(0, 149, 1), rtol=1e-4, atol=1e-4)
 
