@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import Scratch, sm_count, states_bytes
+from . import Scratch, block_spans, sm_count, states_bytes
 
 TILE = 64  # key positions a row's state is computed over alone, then merged in order
 # (query position, head) rows per attention program, the fewest a tensor-core product takes: a
@@ -43,6 +43,10 @@ BLOCK_ROWS = 16
 # prompts 1.2-1.3x faster and batch-32 decode 1.15x, but batch-1 and -4 decode 7% slower on an
 # H100 (docs/exact-mode.md, "Cost")
 WARPS = 4
+# BLOCK_ROWS-row tiles a program computes against each key tile it loads for a block of more
+# than one tile's positions (a prompt's): its keys read once per GROUP tiles, each tile's rows
+# computed as a lone tile's (`_attention_kernel` unrolls the four)
+GROUP = 4
 MERGE_CHUNK = 8  # tile states the merge kernel loads before it merges them
 # Spread where a launch has fewer (block, KV head) programs than SMs / SPREAD_BELOW: on an H200
 # a spread tile costs more than a walked one, so spreading pays only where most SMs would idle
@@ -106,6 +110,39 @@ def _normalised(l_i, acc):
     return tl.where((l_i > 0)[:, None], acc / l_i[:, None], 0.0)
 
 
+@triton.jit
+def _tile_state(q, k, v, offs, s0, pos, scale, m_i, l_i, acc):
+    # a key tile's state for each of q's rows alone (keys offs, the first s0), merged into the
+    # row's state where the row sees the tile
+    seen = offs[None, :] <= pos[:, None]
+    s = tl.where(seen, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+    m = tl.max(s, axis=1)
+    p = tl.where(seen, tl.exp(s - m[:, None]), 0.0)
+    return _merge(m_i, l_i, acc, m, tl.sum(p, axis=1), tl.dot(p.to(v.dtype), v), pos >= s0)
+
+
+@triton.jit
+def _sub_rows(q_ptr, pos_ptr, row0, n, sub, kvh, d, stride_qt, stride_qh, REP: tl.constexpr,
+              REP_P2: tl.constexpr, BLOCK_P: tl.constexpr):
+    # tile rows of positions sub * BLOCK_P .. of a block (first row row0, n rows): whether each
+    # is one, its row t, query head h, position (-1 for none) and query [rows, D]
+    r = tl.arange(0, BLOCK_P * REP_P2)
+    i = sub * BLOCK_P + r // REP_P2
+    valid = (i < n) & (r % REP_P2 < REP)
+    t = (row0 + i).to(tl.int64)
+    h = kvh * REP + r % REP_P2
+    pos = tl.load(pos_ptr + t, mask=valid, other=-1)
+    q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                mask=valid[:, None], other=0.0)
+    return valid, t, h, pos, q
+
+
+@triton.jit
+def _store_rows(out_ptr, t, h, d, valid, l_i, acc, stride_ot, stride_oh):
+    tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
+             _normalised(l_i, acc).to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
+
 @triton.jit(do_not_specialize=["max_tiles"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, base_ptr, blocks_ptr, pos_ptr, m_ptr, l_ptr, o_ptr,
@@ -113,17 +150,33 @@ def _attention_kernel(
     page_size, max_tiles, scale, H: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr,
     BLOCK_P: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, SPREAD: tl.constexpr,
 ):
-    # One program: up to BLOCK_P query positions of one sequence (a block) x the REP query heads
-    # of one KV head; tile rows are (position, head) pairs. A block is (where its sequence's
-    # pages start in the flat tables, first row, rows); a page id read there is offset by
-    # *base_ptr (the layer's slot in a staging ring, else 0). It merges tiles lo .. hi - 1 and
-    # writes the rows' outputs; SPREAD, a block of one position: program_id(2)'s tile alone,
-    # its state into m, l, o ([T, max_tiles, H] (x D)) for `_merge_kernel`.
+    # One program: a block of one sequence x the REP query heads of one KV head, in tiles of
+    # BLOCK_P query positions (16 tile rows, (position, head) pairs): one tile for a block of
+    # up to BLOCK_P positions, GROUP for a longer one (a prompt's), each tile's rows computed
+    # alone against every key tile the program loads, so a row gets the same bits in either.
+    # A block is (where its sequence's pages start in the flat tables, first row, rows); a
+    # page id read there is offset by *base_ptr (the layer's slot in a staging ring, else 0).
+    # It merges key tiles lo .. hi - 1 and writes the rows' outputs; SPREAD, a block of one
+    # position: program_id(2)'s key tile alone, its state into m, l, o ([T, max_tiles, H]
+    # (x D)) for `_merge_kernel`.
     qb, kvh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    table, _, n, valid, t, h, pos = block_tile_rows(blocks_ptr, pos_ptr, qb, kvh, REP, REP_P2,
-                                                    BLOCK_P)
+    table = tl.load(blocks_ptr + 3 * qb)
+    row0 = tl.load(blocks_ptr + 3 * qb + 1)
+    n = tl.load(blocks_ptr + 3 * qb + 2)
+    grouped = n > BLOCK_P
+    d = tl.arange(0, D)
+    valid, t, h, pos, q = _sub_rows(q_ptr, pos_ptr, row0, n, 0, kvh, d, stride_qt, stride_qh,
+                                    REP, REP_P2, BLOCK_P)
+    # a group's later tiles: rows of none (position -1) where the block has no such positions
+    valid1, t1, h1, pos1, q1 = _sub_rows(q_ptr, pos_ptr, row0, n, 1, kvh, d, stride_qt,
+                                         stride_qh, REP, REP_P2, BLOCK_P)
+    valid2, t2, h2, pos2, q2 = _sub_rows(q_ptr, pos_ptr, row0, n, 2, kvh, d, stride_qt,
+                                         stride_qh, REP, REP_P2, BLOCK_P)
+    valid3, t3, h3, pos3, q3 = _sub_rows(q_ptr, pos_ptr, row0, n, 3, kvh, d, stride_qt,
+                                         stride_qh, REP, REP_P2, BLOCK_P)
     page_base = tl.load(base_ptr)
-    last = tl.max(pos, axis=0)
+    last = tl.maximum(tl.maximum(tl.max(pos, axis=0), tl.max(pos1, axis=0)),
+                      tl.maximum(tl.max(pos2, axis=0), tl.max(pos3, axis=0)))
     tiles = tl.where(last < 0, 0, last // TILE + 1)
     spread = SPREAD and n == 1
     if spread:
@@ -131,12 +184,12 @@ def _attention_kernel(
     else:
         lo, hi = 0, tl.where(j == 0, tiles, 0)
     if lo < hi:
-        d = tl.arange(0, D)
-        q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
-                    mask=valid[:, None], other=0.0)
         m_i = tl.full((BLOCK_P * REP_P2,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_P * REP_P2,), tl.float32)
         acc = tl.zeros((BLOCK_P * REP_P2, D), tl.float32)
+        m1, l1, acc1 = m_i, l_i, acc
+        m2, l2, acc2 = m_i, l_i, acc
+        m3, l3, acc3 = m_i, l_i, acc
         # Loads run ahead of the arithmetic, which they do not change: a tile's keys and values
         # one tile ahead, its page ids two, none past the program's tiles
         end = tl.minimum(last + 1, hi * TILE)
@@ -151,21 +204,22 @@ def _attention_kernel(
             k_next, v_next = tile_kv(k_ptr, v_ptr, pages, offs + TILE, end, kvh, d, stride_kp,
                                      stride_ks, stride_kh, page_size)
             pages = tile_pages(tables_ptr, table, page_base, offs + 2 * TILE, end, page_size)
-            # the tile's state for each row alone, then merged into the row's
-            seen = offs[None, :] <= pos[:, None]
-            s = tl.where(seen, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-            m = tl.max(s, axis=1)
-            p = tl.where(seen, tl.exp(s - m[:, None]), 0.0)
-            m_i, l_i, acc = _merge(m_i, l_i, acc, m, tl.sum(p, axis=1),
-                                   tl.dot(p.to(v.dtype), v), pos >= s0)
+            m_i, l_i, acc = _tile_state(q, k, v, offs, s0, pos, scale, m_i, l_i, acc)
+            if grouped:
+                m1, l1, acc1 = _tile_state(q1, k, v, offs, s0, pos1, scale, m1, l1, acc1)
+                m2, l2, acc2 = _tile_state(q2, k, v, offs, s0, pos2, scale, m2, l2, acc2)
+                m3, l3, acc3 = _tile_state(q3, k, v, offs, s0, pos3, scale, m3, l3, acc3)
         if spread:
             at = (t * max_tiles + j) * H + h
             tl.store(m_ptr + at, m_i, mask=valid)
             tl.store(l_ptr + at, l_i, mask=valid)
             tl.store(o_ptr + at[:, None] * D + d[None, :], acc, mask=valid[:, None])
         else:
-            tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
-                     _normalised(l_i, acc).to(out_ptr.dtype.element_ty), mask=valid[:, None])
+            _store_rows(out_ptr, t, h, d, valid, l_i, acc, stride_ot, stride_oh)
+            if grouped:
+                _store_rows(out_ptr, t1, h1, d, valid1, l1, acc1, stride_ot, stride_oh)
+                _store_rows(out_ptr, t2, h2, d, valid2, l2, acc2, stride_ot, stride_oh)
+                _store_rows(out_ptr, t3, h3, d, valid3, l3, acc3, stride_ot, stride_oh)
 
 
 @triton.jit(do_not_specialize=["max_tiles"])
@@ -205,21 +259,21 @@ def block_rows(q_heads: int, kv_heads: int) -> int:
     return max(1, BLOCK_ROWS // triton.next_power_of_2(q_heads // kv_heads))
 
 
-def step_blocks(meta, block_p: int, skip: set[int] = frozenset()
+def step_blocks(meta, block_p: int, skip: set[int] = frozenset(), group: int = 1
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks of at most `block_p` rows of one sequence (none of the sequences in `skip`),
-    [n_blocks, 3] (start of the sequence's pages in the flat tables, first row, rows), and the
-    flat tables (every sequence's page table end to end): built once a step and kept on its
-    meta, since every layer's launches read the same."""
+    """Blocks of one sequence's rows (none of the sequences in `skip`) as `block_spans` cuts
+    them, of `block_p` positions or `group` times that, [n_blocks, 3] (start of the sequence's
+    pages in the flat tables, first row, rows), and the flat tables (every sequence's page
+    table end to end): built once a step and kept on its meta, since every layer's launches
+    read the same."""
     cache = meta.__dict__.setdefault("_exact_blocks", {})
-    key = (block_p, tuple(sorted(skip)))
+    key = (block_p, group, tuple(sorted(skip)))
     if key not in cache:
         starts, table_starts = meta.query_starts, [0]
         for t in meta.page_tables:
             table_starts.append(table_starts[-1] + t.numel())
-        blocks = [(table_starts[b], r, min(block_p, starts[b + 1] - r))
-                  for b in range(meta.n_seqs) if b not in skip
-                  for r in range(starts[b], starts[b + 1], block_p)]
+        blocks = [(table_starts[b], r, n) for b in range(meta.n_seqs) if b not in skip
+                  for r, n in block_spans(starts[b], starts[b + 1], block_p, block_p * group)]
         dev = meta.positions.device
         cache[key] = (torch.tensor(blocks, dtype=torch.int64, device=dev).view(-1, 3),
                       torch.cat(meta.page_tables))
@@ -246,7 +300,7 @@ def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
     kvh = k_pool.shape[2]
     out = torch.empty_like(q)
     if t:
-        blocks, tables = step_blocks(meta, block_rows(h, kvh))
+        blocks, tables = step_blocks(meta, block_rows(h, kvh), group=GROUP)
         keys = max(meta.context_lens)
         states = None
         if spread(t, keys, h, kvh, d, q.device):
@@ -267,6 +321,7 @@ class StepAttention:
     def __init__(self, rows: int, keys: int, q_heads: int, kv_heads: int, head_dim: int,
                  scratch: Scratch):
         self.block_rows = block_rows(q_heads, kv_heads)
+        self.prompt_block_rows = self.block_rows * GROUP
         self.states = None
         if spread(rows, keys, q_heads, kv_heads, head_dim, scratch.device):
             self.states = scratch.states(tile_shape(rows, keys, q_heads), head_dim)
