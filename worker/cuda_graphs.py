@@ -71,7 +71,7 @@ import torch
 from . import cuda_driver
 from .batch import BatchMeta, ints_into
 from .draw_graphs import DrawGraphs
-from .kernels import ATTENTION_SPLIT, Scratch, block_spans, splits_bucket
+from .kernels import ATTENTION_SPLIT, Scratch, splits_bucket
 from .kv.pool import Pool
 from .kv.rows import write_rows
 from .model import StageModel
@@ -120,13 +120,11 @@ class StepBuffers:
         # captured: the Triton kernels, launched over these buffers; else the pool's eager paths
         self.kernels = pool.attention.kernels if capture else None
         self.attention = None  # what the captured kernels attend with
-        # positions of one sequence an attention block holds, and of one with more rows
-        self.block_rows = self.prompt_block_rows = 1
+        self.block_rows = 1  # positions of one sequence an attention block holds
         if self.kernels is not None:
             self.attention = pool.attention.step_attention(
                 rows, splits * ATTENTION_SPLIT, a.n_heads, a.n_kv_heads, a.head_dim, scratch)
             self.block_rows = self.attention.block_rows
-            self.prompt_block_rows = self.attention.prompt_block_rows
         self.meta: BatchMeta | None = None  # the step's (for eager pieces' attention)
         self._tables: list[torch.Tensor] | None = None  # the tables `self.tables` holds
         self.write_page = self.write_offset = None  # [layers, rows] and [rows], set by piece 0
@@ -153,7 +151,7 @@ class StepBuffers:
         go up with the rest, from the host; tables renumbered into a staging ring's buffers
         (before each layer's base) are on the device already, and the same list again means the
         same tables (never modified in place): they are copied only when it changes."""
-        rows, qs = self.rows, meta.query_starts
+        rows, block, qs = self.rows, self.block_rows, meta.query_starts
         pad = rows - meta.n_rows
         starts = [0]  # where each sequence's pages start in the flat tables
         for t in meta.used_pages:
@@ -162,8 +160,8 @@ class StepBuffers:
         for b in range(meta.n_seqs):
             lo, hi = qs[b], qs[b + 1]
             row_tables.extend(repeat(starts[b], hi - lo))
-            for r, n in block_spans(lo, hi, self.block_rows, self.prompt_block_rows):
-                blocks += (starts[b], r, n)
+            for r in range(lo, hi, block):
+                blocks += (starts[b], r, min(block, hi - r))
         before_tables = chain(positions, repeat(0, pad), positions, repeat(-1, pad), blocks,
                               repeat(0, 3 * rows - len(blocks)), row_tables, repeat(0, pad),
                               meta.sample_at, repeat(0, rows - len(meta.sample_at)),

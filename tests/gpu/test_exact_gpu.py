@@ -103,10 +103,23 @@ def paged(seed: int, page: int = 16) -> PagedSequences:
     return PagedSequences(LENS, 32, 8, 128, page, seed, DT, DEV)
 
 
-def test_attention_chunk_rows_equal_rows_attended_alone_across_split_boundaries():
+@pytest.mark.parametrize("group_from", [None, 0])  # prompts' tiles grouped as launched, always
+def test_attention_chunk_rows_equal_rows_attended_alone_across_split_boundaries(monkeypatch,
+                                                                               group_from):
+    if group_from is not None:
+        monkeypatch.setattr(paged_triton, "GROUP_FROM_ROWS", group_from)
     seqs = paged(0)
     chunks = split_chunks(paged_triton.TILE, LENS[0]) + [range(0, 300)]
     assert chunks_that_differ_from_rows(paged_triton.paged_attention, seqs, 0, chunks) == []
+
+
+def test_attention_launch_that_groups_gives_each_row_the_bits_of_one_that_does_not():
+    seqs = paged(0)
+    rows = [(0, 0, 700), (3, 0, 300), (1, 0, 41)]
+    assert sum(n for *_, n in rows) >= paged_triton.GROUP_FROM_ROWS > max(n for *_, n in rows)
+    together = seqs.attend(paged_triton.paged_attention, rows)
+    apart = [seqs.attend(paged_triton.paged_attention, [r])[0] for r in rows]
+    assert all(torch.equal(a, b) for a, b in zip(together, apart, strict=True))
 
 
 def test_attention_spread_tiles_give_the_bits_of_one_program_walking_them(monkeypatch):

@@ -1,8 +1,8 @@
-"""How a sequence's rows are cut into attention blocks (`worker.kernels.block_spans`)."""
+"""How exact attention cuts a sequence's rows into blocks (`paged_triton.block_spans`)."""
 
 import pytest
 
-from worker.kernels import block_spans
+from worker.kernels.paged_triton import block_spans
 
 
 @pytest.mark.parametrize("lo,hi", [(0, 1), (5, 6), (0, 4), (3, 7), (0, 5), (10, 26), (0, 33),

@@ -65,8 +65,14 @@ def check_exact_attention() -> None:
     assert_dense(paged.paged_attention, DECODE)
     # a chunk's rows are the rows attended one at a time (the interpreter's float32 products
     # are a row's own, as a GPU's tensor-core products are)
-    chunks = [range(0, 40), range(63, 66), range(125, 161)]
-    assert chunks_that_differ_from_rows(paged.paged_attention, sequences(), 3, chunks) == []
+    seqs, chunks = sequences(), [range(0, 40), range(63, 66), range(125, 161)]
+    assert chunks_that_differ_from_rows(paged.paged_attention, seqs, 3, chunks) == []
+    # prompts' tiles grouped, as launches of GROUP_FROM_ROWS rows group them: the same bits
+    plain = [seqs.attend(paged.paged_attention, [(3, c.start, len(c))])[0] for c in chunks]
+    paged.GROUP_FROM_ROWS = 0
+    assert_dense(paged.paged_attention, MIXED)
+    grouped = [seqs.attend(paged.paged_attention, [(3, c.start, len(c))])[0] for c in chunks]
+    assert all(torch.equal(a, b) for a, b in zip(plain, grouped, strict=True))
 
 
 def check_default_attention() -> None:

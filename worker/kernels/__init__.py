@@ -32,13 +32,6 @@ def splits_bucket(context: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def block_spans(lo: int, hi: int, block: int, prompt_block: int) -> list[tuple[int, int]]:
-    """(first row, rows) of the attention blocks of one sequence's rows lo .. hi - 1: blocks
-    of `block` positions, or of `prompt_block` where the sequence has more rows than `block`."""
-    size = block if hi - lo <= block else prompt_block
-    return [(r, min(size, hi - r)) for r in range(lo, hi, size)]
-
-
 @functools.cache
 def triton_module(name: str) -> ModuleType | None:
     """This package's Triton module `name`, or None where Triton is not installed."""

@@ -262,7 +262,7 @@ class StepAttention:
     def __init__(self, rows: int, keys: int, q_heads: int, kv_heads: int, head_dim: int,
                  scratch: Scratch):
         self.split = decode_split(rows, keys, q_heads, head_dim)
-        self.block_rows = self.prompt_block_rows = decode_block(q_heads, kv_heads)
+        self.block_rows = decode_block(q_heads, kv_heads)
         self.scratch = scratch.states((rows, q_heads, keys // self.split), head_dim)
 
     def __call__(self, q, k_pool, v_pool, tables, base, blocks, positions, out, scale: float

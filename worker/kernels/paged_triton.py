@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import Scratch, block_spans, sm_count, states_bytes
+from . import Scratch, sm_count, states_bytes
 
 TILE = 64  # key positions a row's state is computed over alone, then merged in order
 # (query position, head) rows per attention program, the fewest a tensor-core product takes: a
@@ -47,6 +47,11 @@ WARPS = 4
 # than one tile's positions (a prompt's): its keys read once per GROUP tiles, each tile's rows
 # computed as a lone tile's (`_attention_kernel` unrolls the four)
 GROUP = 4
+# Rows from which an eager launch groups its prompts' tiles (captured steps hold fewer and never
+# do). On an H100 grouping made launches of 4,096 rows and more 1.2-1.4x faster, and launches of
+# up to 288 rows (decode rows, a 256-row chunk beside 32 of them) 1.0-1.5x slower: a grouped
+# program's registers, and a short prompt's fewer programs (docs/exact-mode.md, "Cost")
+GROUP_FROM_ROWS = 1024
 MERGE_CHUNK = 8  # tile states the merge kernel loads before it merges them
 # Spread where a launch has fewer (block, KV head) programs than SMs / SPREAD_BELOW: on an H200
 # a spread tile costs more than a walked one, so spreading pays only where most SMs would idle
@@ -149,11 +154,13 @@ def _attention_kernel(
     out_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
     page_size, max_tiles, scale, H: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr,
     BLOCK_P: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, SPREAD: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
     # One program: a block of one sequence x the REP query heads of one KV head, in tiles of
     # BLOCK_P query positions (16 tile rows, (position, head) pairs): one tile for a block of
-    # up to BLOCK_P positions, GROUP for a longer one (a prompt's), each tile's rows computed
-    # alone against every key tile the program loads, so a row gets the same bits in either.
+    # up to BLOCK_P positions, and where GROUPED, GROUP tiles for a longer one (a prompt's),
+    # each tile's rows computed alone against every key tile the program loads, so a row gets
+    # the same bits in either.
     # A block is (where its sequence's pages start in the flat tables, first row, rows); a
     # page id read there is offset by *base_ptr (the layer's slot in a staging ring, else 0).
     # It merges key tiles lo .. hi - 1 and writes the rows' outputs; SPREAD, a block of one
@@ -163,20 +170,21 @@ def _attention_kernel(
     table = tl.load(blocks_ptr + 3 * qb)
     row0 = tl.load(blocks_ptr + 3 * qb + 1)
     n = tl.load(blocks_ptr + 3 * qb + 2)
-    grouped = n > BLOCK_P
     d = tl.arange(0, D)
     valid, t, h, pos, q = _sub_rows(q_ptr, pos_ptr, row0, n, 0, kvh, d, stride_qt, stride_qh,
                                     REP, REP_P2, BLOCK_P)
-    # a group's later tiles: rows of none (position -1) where the block has no such positions
-    valid1, t1, h1, pos1, q1 = _sub_rows(q_ptr, pos_ptr, row0, n, 1, kvh, d, stride_qt,
-                                         stride_qh, REP, REP_P2, BLOCK_P)
-    valid2, t2, h2, pos2, q2 = _sub_rows(q_ptr, pos_ptr, row0, n, 2, kvh, d, stride_qt,
-                                         stride_qh, REP, REP_P2, BLOCK_P)
-    valid3, t3, h3, pos3, q3 = _sub_rows(q_ptr, pos_ptr, row0, n, 3, kvh, d, stride_qt,
-                                         stride_qh, REP, REP_P2, BLOCK_P)
+    last = tl.max(pos, axis=0)
+    if GROUPED:
+        # a group's later tiles: rows of none (position -1) where the block lacks them
+        valid1, t1, h1, pos1, q1 = _sub_rows(q_ptr, pos_ptr, row0, n, 1, kvh, d, stride_qt,
+                                             stride_qh, REP, REP_P2, BLOCK_P)
+        valid2, t2, h2, pos2, q2 = _sub_rows(q_ptr, pos_ptr, row0, n, 2, kvh, d, stride_qt,
+                                             stride_qh, REP, REP_P2, BLOCK_P)
+        valid3, t3, h3, pos3, q3 = _sub_rows(q_ptr, pos_ptr, row0, n, 3, kvh, d, stride_qt,
+                                             stride_qh, REP, REP_P2, BLOCK_P)
+        last = tl.maximum(tl.maximum(last, tl.max(pos1, axis=0)),
+                          tl.maximum(tl.max(pos2, axis=0), tl.max(pos3, axis=0)))
     page_base = tl.load(base_ptr)
-    last = tl.maximum(tl.maximum(tl.max(pos, axis=0), tl.max(pos1, axis=0)),
-                      tl.maximum(tl.max(pos2, axis=0), tl.max(pos3, axis=0)))
     tiles = tl.where(last < 0, 0, last // TILE + 1)
     spread = SPREAD and n == 1
     if spread:
@@ -187,9 +195,10 @@ def _attention_kernel(
         m_i = tl.full((BLOCK_P * REP_P2,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_P * REP_P2,), tl.float32)
         acc = tl.zeros((BLOCK_P * REP_P2, D), tl.float32)
-        m1, l1, acc1 = m_i, l_i, acc
-        m2, l2, acc2 = m_i, l_i, acc
-        m3, l3, acc3 = m_i, l_i, acc
+        if GROUPED:
+            m1, l1, acc1 = m_i, l_i, acc
+            m2, l2, acc2 = m_i, l_i, acc
+            m3, l3, acc3 = m_i, l_i, acc
         # Loads run ahead of the arithmetic, which they do not change: a tile's keys and values
         # one tile ahead, its page ids two, none past the program's tiles
         end = tl.minimum(last + 1, hi * TILE)
@@ -205,10 +214,11 @@ def _attention_kernel(
                                      stride_ks, stride_kh, page_size)
             pages = tile_pages(tables_ptr, table, page_base, offs + 2 * TILE, end, page_size)
             m_i, l_i, acc = _tile_state(q, k, v, offs, s0, pos, scale, m_i, l_i, acc)
-            if grouped:
-                m1, l1, acc1 = _tile_state(q1, k, v, offs, s0, pos1, scale, m1, l1, acc1)
-                m2, l2, acc2 = _tile_state(q2, k, v, offs, s0, pos2, scale, m2, l2, acc2)
-                m3, l3, acc3 = _tile_state(q3, k, v, offs, s0, pos3, scale, m3, l3, acc3)
+            if GROUPED:
+                if n > BLOCK_P:
+                    m1, l1, acc1 = _tile_state(q1, k, v, offs, s0, pos1, scale, m1, l1, acc1)
+                    m2, l2, acc2 = _tile_state(q2, k, v, offs, s0, pos2, scale, m2, l2, acc2)
+                    m3, l3, acc3 = _tile_state(q3, k, v, offs, s0, pos3, scale, m3, l3, acc3)
         if spread:
             at = (t * max_tiles + j) * H + h
             tl.store(m_ptr + at, m_i, mask=valid)
@@ -216,7 +226,7 @@ def _attention_kernel(
             tl.store(o_ptr + at[:, None] * D + d[None, :], acc, mask=valid[:, None])
         else:
             _store_rows(out_ptr, t, h, d, valid, l_i, acc, stride_ot, stride_oh)
-            if grouped:
+            if GROUPED:  # a block of BLOCK_P rows or fewer stores nothing more: its rows are none
                 _store_rows(out_ptr, t1, h1, d, valid1, l1, acc1, stride_ot, stride_oh)
                 _store_rows(out_ptr, t2, h2, d, valid2, l2, acc2, stride_ot, stride_oh)
                 _store_rows(out_ptr, t3, h3, d, valid3, l3, acc3, stride_ot, stride_oh)
@@ -257,6 +267,13 @@ def _merge_kernel(blocks_ptr, pos_ptr, m_ptr, l_ptr, o_ptr, out_ptr, stride_ot, 
 def block_rows(q_heads: int, kv_heads: int) -> int:
     """Query positions per attention program (a decode row is a block of one of them)."""
     return max(1, BLOCK_ROWS // triton.next_power_of_2(q_heads // kv_heads))
+
+
+def block_spans(lo: int, hi: int, block: int, prompt_block: int) -> list[tuple[int, int]]:
+    """(first row, rows) of the attention blocks of one sequence's rows lo .. hi - 1: blocks
+    of `block` positions, or of `prompt_block` where the sequence has more rows than `block`."""
+    size = block if hi - lo <= block else prompt_block
+    return [(r, min(size, hi - r)) for r in range(lo, hi, size)]
 
 
 def step_blocks(meta, block_p: int, skip: set[int] = frozenset(), group: int = 1
@@ -300,7 +317,8 @@ def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
     kvh = k_pool.shape[2]
     out = torch.empty_like(q)
     if t:
-        blocks, tables = step_blocks(meta, block_rows(h, kvh), group=GROUP)
+        group = GROUP if t >= GROUP_FROM_ROWS else 1
+        blocks, tables = step_blocks(meta, block_rows(h, kvh), group=group)
         keys = max(meta.context_lens)
         states = None
         if spread(t, keys, h, kvh, d, q.device):
@@ -309,7 +327,7 @@ def paged_attention(q, k_pool, v_pool, meta, scale: float) -> torch.Tensor:
                 cache[h, d] = Scratch(q.device).states(tile_shape(t, keys, h), d)
             states = cache[h, d]
         launch(q.contiguous(), k_pool, v_pool, tables, zero_base(q.device), blocks, meta.positions,
-               states, out, scale)
+               states, out, scale, grouped=group > 1)
     return out
 
 
@@ -321,7 +339,6 @@ class StepAttention:
     def __init__(self, rows: int, keys: int, q_heads: int, kv_heads: int, head_dim: int,
                  scratch: Scratch):
         self.block_rows = block_rows(q_heads, kv_heads)
-        self.prompt_block_rows = self.block_rows * GROUP
         self.states = None
         if spread(rows, keys, q_heads, kv_heads, head_dim, scratch.device):
             self.states = scratch.states(tile_shape(rows, keys, q_heads), head_dim)
@@ -331,13 +348,13 @@ class StepAttention:
         launch(q, k_pool, v_pool, tables, base, blocks, positions, self.states, out, scale)
 
 
-def launch(q, k_pool, v_pool, tables, base, blocks, positions, states, out, scale: float
-           ) -> None:
+def launch(q, k_pool, v_pool, tables, base, blocks, positions, states, out, scale: float,
+           grouped: bool = False) -> None:
     """The launches of a paged attention over explicit buffers, each sized by the caller. q,
     out: [T, H, D]; tables: flat page ids, each offset by base [1]; blocks: [n, 3] as
-    `step_blocks`, of `block_rows` positions; positions: [T] (-1: a padding row); states:
-    `Scratch.states` of a `tile_shape` covering every key to spread one-position blocks'
-    tiles, None not to."""
+    `step_blocks`, of `block_rows` positions (`grouped`: a prompt's of GROUP times that);
+    positions: [T] (-1: a padding row); states: `Scratch.states` of a `tile_shape` covering
+    every key to spread one-position blocks' tiles, None not to."""
     h, d = q.shape[1:]
     kvh = k_pool.shape[2]
     rep = h // kvh
@@ -348,7 +365,8 @@ def launch(q, k_pool, v_pool, tables, base, blocks, positions, states, out, scal
         q, k_pool, v_pool, tables, base, blocks, positions, m, l_tile, o, out, q.stride(0),
         q.stride(1), out.stride(0), out.stride(1), k_pool.stride(0), k_pool.stride(1),
         k_pool.stride(2), k_pool.shape[1], max_tiles, scale, H=h, REP=rep, REP_P2=rep_p2,
-        BLOCK_P=block_rows(h, kvh), D=d, TILE=TILE, SPREAD=states is not None, num_warps=WARPS,
+        BLOCK_P=block_rows(h, kvh), D=d, TILE=TILE, SPREAD=states is not None, GROUPED=grouped,
+        num_warps=WARPS,
         **NO_FUSION)
     if states is not None:
         _merge_kernel[(blocks.shape[0], kvh)](
