@@ -81,17 +81,27 @@ def tile_kv(k_ptr, v_ptr, pages, offs, end, kvh, d, stride_kp, stride_ks, stride
 def block_tile_rows(blocks_ptr, pos_ptr, qb, kvh, REP: tl.constexpr, REP_P2: tl.constexpr,
                     BLOCK_P: tl.constexpr):
     # Block qb's (where its sequence's pages start in the flat tables, first row, rows) and its
-    # tile rows, (position, head) pairs of KV head kvh: whether each is one, its row t, query
-    # head h and position (-1 for none: row i attends keys [0, pos[i]])
+    # first tile's rows (`tile_rows`)
     table = tl.load(blocks_ptr + 3 * qb)
     row0 = tl.load(blocks_ptr + 3 * qb + 1)
     n = tl.load(blocks_ptr + 3 * qb + 2)
+    valid, t, h, pos = tile_rows(pos_ptr, row0, n, 0, kvh, REP, REP_P2, BLOCK_P)
+    return table, row0, n, valid, t, h, pos
+
+
+@triton.jit
+def tile_rows(pos_ptr, row0, n, sub, kvh, REP: tl.constexpr, REP_P2: tl.constexpr,
+              BLOCK_P: tl.constexpr):
+    # The rows of tile `sub` (positions sub * BLOCK_P ..) of a block of n rows from row0,
+    # (position, head) pairs of KV head kvh: whether each is one, its row t, query head h and
+    # position (-1 for none: row i attends keys [0, pos[i]])
     r = tl.arange(0, BLOCK_P * REP_P2)
-    valid = (r // REP_P2 < n) & (r % REP_P2 < REP)
-    t = (row0 + r // REP_P2).to(tl.int64)
+    i = sub * BLOCK_P + r // REP_P2
+    valid = (i < n) & (r % REP_P2 < REP)
+    t = (row0 + i).to(tl.int64)
     h = kvh * REP + r % REP_P2
     pos = tl.load(pos_ptr + t, mask=valid, other=-1)
-    return table, row0, n, valid, t, h, pos
+    return valid, t, h, pos
 
 
 @triton.jit
@@ -127,19 +137,9 @@ def _tile_state(q, k, v, offs, s0, pos, scale, m_i, l_i, acc):
 
 
 @triton.jit
-def _sub_rows(q_ptr, pos_ptr, row0, n, sub, kvh, d, stride_qt, stride_qh, REP: tl.constexpr,
-              REP_P2: tl.constexpr, BLOCK_P: tl.constexpr):
-    # tile rows of positions sub * BLOCK_P .. of a block (first row row0, n rows): whether each
-    # is one, its row t, query head h, position (-1 for none) and query [rows, D]
-    r = tl.arange(0, BLOCK_P * REP_P2)
-    i = sub * BLOCK_P + r // REP_P2
-    valid = (i < n) & (r % REP_P2 < REP)
-    t = (row0 + i).to(tl.int64)
-    h = kvh * REP + r % REP_P2
-    pos = tl.load(pos_ptr + t, mask=valid, other=-1)
-    q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
-                mask=valid[:, None], other=0.0)
-    return valid, t, h, pos, q
+def _tile_q(q_ptr, t, h, d, valid, stride_qt, stride_qh):
+    return tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                   mask=valid[:, None], other=0.0)
 
 
 @triton.jit
@@ -167,21 +167,14 @@ def _attention_kernel(
     # position: program_id(2)'s key tile alone, its state into m, l, o ([T, max_tiles, H]
     # (x D)) for `_merge_kernel`.
     qb, kvh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    table = tl.load(blocks_ptr + 3 * qb)
-    row0 = tl.load(blocks_ptr + 3 * qb + 1)
-    n = tl.load(blocks_ptr + 3 * qb + 2)
-    d = tl.arange(0, D)
-    valid, t, h, pos, q = _sub_rows(q_ptr, pos_ptr, row0, n, 0, kvh, d, stride_qt, stride_qh,
-                                    REP, REP_P2, BLOCK_P)
+    table, row0, n, valid, t, h, pos = block_tile_rows(blocks_ptr, pos_ptr, qb, kvh, REP,
+                                                       REP_P2, BLOCK_P)
     last = tl.max(pos, axis=0)
     if GROUPED:
         # a group's later tiles: rows of none (position -1) where the block lacks them
-        valid1, t1, h1, pos1, q1 = _sub_rows(q_ptr, pos_ptr, row0, n, 1, kvh, d, stride_qt,
-                                             stride_qh, REP, REP_P2, BLOCK_P)
-        valid2, t2, h2, pos2, q2 = _sub_rows(q_ptr, pos_ptr, row0, n, 2, kvh, d, stride_qt,
-                                             stride_qh, REP, REP_P2, BLOCK_P)
-        valid3, t3, h3, pos3, q3 = _sub_rows(q_ptr, pos_ptr, row0, n, 3, kvh, d, stride_qt,
-                                             stride_qh, REP, REP_P2, BLOCK_P)
+        valid1, t1, h1, pos1 = tile_rows(pos_ptr, row0, n, 1, kvh, REP, REP_P2, BLOCK_P)
+        valid2, t2, h2, pos2 = tile_rows(pos_ptr, row0, n, 2, kvh, REP, REP_P2, BLOCK_P)
+        valid3, t3, h3, pos3 = tile_rows(pos_ptr, row0, n, 3, kvh, REP, REP_P2, BLOCK_P)
         last = tl.maximum(tl.maximum(last, tl.max(pos1, axis=0)),
                           tl.maximum(tl.max(pos2, axis=0), tl.max(pos3, axis=0)))
     page_base = tl.load(base_ptr)
@@ -191,11 +184,16 @@ def _attention_kernel(
         lo, hi = j, tl.minimum(j + 1, tiles)
     else:
         lo, hi = 0, tl.where(j == 0, tiles, 0)
+    d = tl.arange(0, D)
     if lo < hi:
+        q = _tile_q(q_ptr, t, h, d, valid, stride_qt, stride_qh)
         m_i = tl.full((BLOCK_P * REP_P2,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_P * REP_P2,), tl.float32)
         acc = tl.zeros((BLOCK_P * REP_P2, D), tl.float32)
         if GROUPED:
+            q1 = _tile_q(q_ptr, t1, h1, d, valid1, stride_qt, stride_qh)
+            q2 = _tile_q(q_ptr, t2, h2, d, valid2, stride_qt, stride_qh)
+            q3 = _tile_q(q_ptr, t3, h3, d, valid3, stride_qt, stride_qh)
             m1, l1, acc1 = m_i, l_i, acc
             m2, l2, acc2 = m_i, l_i, acc
             m3, l3, acc3 = m_i, l_i, acc
