@@ -48,9 +48,10 @@ WARPS = 4
 # computed as a lone tile's (`_attention_kernel` unrolls the four)
 GROUP = 4
 # Rows from which an eager launch groups its prompts' tiles (captured steps hold fewer and never
-# do). On an H100 grouping made launches of 4,096 rows and more 1.2-1.4x faster, and launches of
-# up to 288 rows (decode rows, a 256-row chunk beside 32 of them) 1.0-1.5x slower: a grouped
-# program's registers, and a short prompt's fewer programs (docs/exact-mode.md, "Cost")
+# do). On an H100 grouped launches of 4,096 rows and more and 8 x 512 run 1.25-1.5x faster;
+# grouped launches of up to 288 rows (decode rows, a 256-row chunk beside 32 of them) ran 1.0-1.5x
+# slower: a grouped program's registers, and a short prompt's fewer programs (docs/exact-mode.md,
+# "Cost")
 GROUP_FROM_ROWS = 1024
 MERGE_CHUNK = 8  # tile states the merge kernel loads before it merges them
 # Spread where a launch has fewer (block, KV head) programs than SMs / SPREAD_BELOW: on an H200
