@@ -5,8 +5,8 @@ on a machine without one, where GPU time is scarce.
 
 Each check runs in a process of its own: the interpreter is chosen when a kernel is decorated, so
 it must be on before the kernel modules are imported, and off in a process that runs
-`tests/gpu`. Not covered: exact attention's spread tiles and their merge (the interpreter cannot
-take a mask made of a scalar and a tensor, as `_merge_kernel` makes; `tests/gpu` covers them).
+`tests/gpu`. The interpreter runs a launch's programs one after another, so of the programs that
+count themselves finished (`kernels.launch_counts`) the last in that order adds the results.
 """
 
 from __future__ import annotations
@@ -60,11 +60,10 @@ DECODE = [(0, 149, 1), (1, 6, 1), (2, 39, 1), (3, 299, 1)]
 
 def check_exact_attention() -> None:
     paged, *_ = interpreted()
-    paged.spread = lambda *args: False  # see the module's docstring
     assert_dense(paged.paged_attention, MIXED)
-    assert_dense(paged.paged_attention, DECODE)
-    # a chunk's rows are the rows attended one at a time (the interpreter's float32 products
-    # are a row's own, as a GPU's tensor-core products are)
+    assert_dense(paged.paged_attention, DECODE)  # few rows: their tiles spread, then merged
+    # a chunk's rows are the rows attended one at a time, spread (the interpreter's float32
+    # products are a row's own, as a GPU's tensor-core products are)
     seqs, chunks = sequences(), [range(0, 40), range(63, 66), range(125, 161)]
     assert chunks_that_differ_from_rows(paged.paged_attention, seqs, 3, chunks) == []
     # prompts' tiles grouped, as launches of GROUP_FROM_ROWS rows group them: the same bits
@@ -124,6 +123,13 @@ def check_exact_matmul() -> None:
         # a row keeps its bits in a launch of any size
         assert torch.equal(matmul.linear(x[5:6], w), out[5:6])
         assert torch.equal(matmul.linear(x[3:9], w), out[3:9])
+    # 4,224 rows fill the GPU's SMs with row tiles, so each program sums its tile's three splits;
+    # a launch of two rows spreads them and the last program adds them, one of 70 a second
+    # kernel: the same bits
+    x, w = torch.randn(4224, 1536, generator=g), torch.randn(100, 1536, generator=g) * 1536 ** -0.5
+    out = matmul.linear(x, w)
+    assert torch.equal(out[5:7], matmul.linear(x[5:7], w))
+    assert torch.equal(out[:70], matmul.linear(x[:70], w))
 
 
 def check_rowwise() -> None:

@@ -51,6 +51,18 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def launch_counts(device):
+    """Zeros [sm_count] int32 on a CUDA device: the programs of one output (a matmul tile's
+    splits, a spread attention row's key tiles) count themselves finished here, and the last
+    adds their partial results, then sets the count back to zero for the next launch. Shared by
+    every launch of a device, which the worker makes one after another on one stream; a launch
+    counts fewer outputs than the device has SMs."""
+    import torch
+
+    return torch.zeros(sm_count(device), dtype=torch.int32, device=device)
+
+
 def triton_kernels() -> ModuleType | None:
     """`paged_triton`, or None where Triton is not installed."""
     return triton_module("paged_triton")

@@ -4,8 +4,9 @@ One arithmetic for every launch (BLOCK_M-row output tiles, the K loop in BLOCK_K
 meets the same instructions in the same order whatever the row count; padded rows load zeros and
 only feed rows that are dropped. K is split (partial sums added in split order) by a count
 chosen from the weight's shape and the GPU, never from the row count, so that one decode row
-still keeps every SM streaming weights; a launch of few rows spreads the splits over programs, a
-larger one sums them in each program, with the same additions.
+still keeps every SM streaming weights; a launch of few rows spreads the splits over programs
+(and the last of a tile's programs to finish, or a second kernel, adds them), a larger one sums
+them in each program, with the same additions.
 
 Imported on CUDA only, on first use (`worker.kernels.triton_module`), so CPU installs never need
 Triton.
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import sm_count
+from . import launch_counts, sm_count
 
 # The matmul's arithmetic: 64-row tiles, the K loop in steps of BLOCK_K, K cut into splits (each
 # summed from zero, then added in split order) by a count of the weight's and the GPU's.
@@ -30,16 +31,23 @@ MIN_SPLIT_K = 512  # the fewest K positions a split sums
 # splits run as one wave (4 stages: 0.85 of cuBLAS at 1-32 rows on an H200, 3: 0.94-0.95;
 # docs/bench/matmul-sweep-h200.txt).
 SMALL_LAUNCH, LARGE_LAUNCH = (64, 4, 3), (64, 4, 3)
+# Rows up to which a spread launch's last program to finish a tile adds its splits, saving the
+# second kernel's launch: on an H100 llama-1b's step products 3% faster at 1 and 4 rows, even at
+# 32, and 2% slower at 128, where one program's sum trails the rest (docs/exact-mode.md, "Cost")
+SUM_LAST_ROWS = 16
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
-                   stride_os, SPLITS: tl.constexpr, SPREAD: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _linear_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, counts_ptr, M, N, K, K_SPLIT, stride_xm,
+                   stride_wn, stride_om, stride_ps, SPLITS: tl.constexpr, SPREAD: tl.constexpr,
+                   SUM_LAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
     # x[M, K] @ w[N, K].T as the sum, in split order, of each split's product (Ks = [s * K_SPLIT,
-    # ...)), in float32. SPREAD: this program sums split program_id(2) alone and stores it in
-    # float32 at out[s] ([SPLITS, M, N]), for `_sum_splits_kernel`; else all of them, in order,
-    # into out [M, N] in the output dtype: the same additions either way.
+    # ...)), in float32, into out [M, N] in the output dtype. SPREAD: this program sums split
+    # program_id(2) alone and stores it in float32 at parts[s] ([SPLITS, M, N]); SUM_LAST: the
+    # tile's last program to finish (its count in counts_ptr: `launch_counts`) adds the splits
+    # in order, else `_sum_splits_kernel` does. Else one program sums all of them, in order: the
+    # same additions every way.
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -66,7 +74,19 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn
     at = rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPREAD and SPLITS > 1:
-        tl.store(out_ptr + first.to(tl.int64) * stride_os + at, total, mask=mask)
+        tl.store(parts_ptr + first.to(tl.int64) * stride_ps + at, total, mask=mask)
+        if SUM_LAST:
+            # every thread's partial stored before the count says so (the atomic releases them
+            # at the GPU's scope; the last program's acquires the others')
+            tl.debug_barrier()
+            tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                total = tl.load(parts_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
+                for s in range(1, SPLITS):
+                    total += tl.load(parts_ptr + s * stride_ps + at, mask=mask, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.store(counts_ptr + tile, 0)  # for the next launch
     else:
         tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -95,8 +115,9 @@ def split_size(n: int, k: int, device: torch.device) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., K] @ weight[N, K].T (+ bias) -> [..., N]. A launch with too few row tiles to fill
-    the GPU spreads K's splits over programs of their own and adds them in a second kernel; a
-    larger one sums them inside each program: the same bits, without the float32 partials."""
+    the GPU spreads K's splits over programs of their own, and the last of a tile's to finish (up
+    to SUM_LAST_ROWS rows) or a second kernel adds them; a larger one sums them inside each
+    program: the same bits, without the float32 partials."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     weight = weight.contiguous()
     (m, k), n = rows.shape, weight.shape[0]
@@ -108,11 +129,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     spread = splits > 1 and tiles[0] * tiles[1] < sm_count(x.device)
     if m:
         parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if spread else out
+        sum_last = spread and m <= SUM_LAST_ROWS
+        counts = launch_counts(x.device) if sum_last else out
         _linear_kernel[(*tiles, splits if spread else 1)](
-            rows, weight, parts, m, n, k, k_split, rows.stride(0), weight.stride(0), n, m * n,
-            SPLITS=splits, SPREAD=spread, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-            num_warps=warps, num_stages=stages)
-        if spread:
+            rows, weight, out, parts, counts, m, n, k, k_split, rows.stride(0), weight.stride(0),
+            n, m * n, SPLITS=splits, SPREAD=spread, SUM_LAST=sum_last, BLOCK_M=BLOCK_M,
+            BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
+        if spread and not sum_last:
             _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](parts, out, m * n, SPLITS=splits,
                                                             BLOCK=1024)
     if bias is not None:

@@ -14,8 +14,8 @@ row writes of the step graphs. Exact mode attends with `paged_attention` here; d
   use the GPU: one program per (block of query positions of one sequence, KV head) walks its
   tiles and merges them as it goes (prompt rows, and every row of a launch with programs
   enough), or, for a block of one position in a launch of few rows (`spread`), one program per
-  tile writes that tile's state and a second kernel merges a row's states in the same order
-  with the same arithmetic.
+  tile writes that tile's state and the last of a row's programs to finish merges its states
+  in the same order with the same arithmetic.
 - `write_rows`: a step graph's new K and V rows into their pages, and a host pool's carried
   rows with them, in one launch (a copy: no arithmetic, so no bit to keep).
 
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import Scratch, sm_count, states_bytes
+from . import Scratch, launch_counts, sm_count, states_bytes
 
 TILE = 64  # key positions a row's state is computed over alone, then merged in order
 # (query position, head) rows per attention program, the fewest a tensor-core product takes: a
@@ -53,12 +53,13 @@ GROUP = 4
 # slower: a grouped program's registers, and a short prompt's fewer programs (docs/exact-mode.md,
 # "Cost")
 GROUP_FROM_ROWS = 1024
-MERGE_CHUNK = 8  # tile states the merge kernel loads before it merges them
+MERGE_CHUNK = 8  # spread tile states loaded before any of them is merged
 # Spread where a launch has fewer (block, KV head) programs than SMs / SPREAD_BELOW: on an H200
 # a spread tile costs more than a walked one, so spreading pays only where most SMs would idle
 SPREAD_BELOW = 2
 SPREAD_SCRATCH_BYTES = 64 << 20  # the most the spread tiles' states may take
-# No fused multiply-adds but the written ones: the two kernels that merge must round alike
+# No fused multiply-adds but the written ones: a walked row's merges and a spread row's must
+# round alike
 NO_FUSION = {"enable_fp_fusion": False}
 
 
@@ -152,10 +153,10 @@ def _store_rows(out_ptr, t, h, d, valid, l_i, acc, stride_ot, stride_oh):
 @triton.jit(do_not_specialize=["max_tiles"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, base_ptr, blocks_ptr, pos_ptr, m_ptr, l_ptr, o_ptr,
-    out_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
-    page_size, max_tiles, scale, H: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr,
-    BLOCK_P: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, SPREAD: tl.constexpr,
-    GROUPED: tl.constexpr,
+    counts_ptr, out_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks,
+    stride_kh, page_size, max_tiles, scale, H: tl.constexpr, REP: tl.constexpr,
+    REP_P2: tl.constexpr, BLOCK_P: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+    SPREAD: tl.constexpr, GROUPED: tl.constexpr, CHUNK: tl.constexpr,
 ):
     # One program: a block of one sequence x the REP query heads of one KV head, in tiles of
     # BLOCK_P query positions (16 tile rows, (position, head) pairs): one tile for a block of
@@ -166,7 +167,8 @@ def _attention_kernel(
     # page id read there is offset by *base_ptr (the layer's slot in a staging ring, else 0).
     # It merges key tiles lo .. hi - 1 and writes the rows' outputs; SPREAD, a block of one
     # position: program_id(2)'s key tile alone, its state into m, l, o ([T, max_tiles, H]
-    # (x D)) for `_merge_kernel`.
+    # (x D)); the row's last program to finish (its count in counts_ptr: `launch_counts`)
+    # merges them (`_merge_spread`).
     qb, kvh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     table, row0, n, valid, t, h, pos = block_tile_rows(blocks_ptr, pos_ptr, qb, kvh, REP,
                                                        REP_P2, BLOCK_P)
@@ -223,6 +225,14 @@ def _attention_kernel(
             tl.store(m_ptr + at, m_i, mask=valid)
             tl.store(l_ptr + at, l_i, mask=valid)
             tl.store(o_ptr + at[:, None] * D + d[None, :], acc, mask=valid[:, None])
+            # every thread's state stored before the count says so (the atomic releases them
+            # at the GPU's scope; the last program's acquires the others')
+            tl.debug_barrier()
+            count = counts_ptr + qb * tl.num_programs(1) + kvh
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == tiles - 1:
+                _merge_spread(row0.to(tl.int64), kvh, last, m_ptr, l_ptr, o_ptr, out_ptr,
+                              stride_ot, stride_oh, max_tiles, H, REP, REP_P2, D, TILE, CHUNK)
+                tl.store(count, 0)  # for the next launch
         else:
             _store_rows(out_ptr, t, h, d, valid, l_i, acc, stride_ot, stride_oh)
             if GROUPED:  # a block of BLOCK_P rows or fewer stores nothing more: its rows are none
@@ -231,36 +241,33 @@ def _attention_kernel(
                 _store_rows(out_ptr, t3, h3, d, valid3, l3, acc3, stride_ot, stride_oh)
 
 
-@triton.jit(do_not_specialize=["max_tiles"])
-def _merge_kernel(blocks_ptr, pos_ptr, m_ptr, l_ptr, o_ptr, out_ptr, stride_ot, stride_oh,
-                  max_tiles, H: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr,
-                  D: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr):
-    # A spread block's row (one position x the REP query heads of one KV head): its tiles'
-    # states merged in order by `_merge`, as `_attention_kernel` merges them; CHUNK states
-    # loaded before any of them is merged
-    qb, kvh = tl.program_id(0), tl.program_id(1)
-    t = tl.load(blocks_ptr + 3 * qb + 1)
-    n = tl.load(blocks_ptr + 3 * qb + 2)
-    pos = tl.load(pos_ptr + t)
-    if n == 1 and pos >= 0:
-        r = tl.arange(0, REP_P2)
-        h = kvh * REP + r
-        d = tl.arange(0, D)
-        tiles = pos // TILE + 1
-        m_i = tl.full((REP_P2,), float("-inf"), tl.float32)
-        l_i = tl.zeros((REP_P2,), tl.float32)
-        acc = tl.zeros((REP_P2, D), tl.float32)
-        for j0 in range(0, tiles, CHUNK):
-            for i in tl.static_range(CHUNK):
-                live = (r < REP) & (j0 + i < tiles)
-                at = (t.to(tl.int64) * max_tiles + j0 + i) * H + h
-                m_i, l_i, acc = _merge(
-                    m_i, l_i, acc, tl.load(m_ptr + at, mask=live, other=float("-inf")),
-                    tl.load(l_ptr + at, mask=live, other=0.0),
-                    tl.load(o_ptr + at[:, None] * D + d[None, :], mask=live[:, None],
-                            other=0.0), live)
-        tl.store(out_ptr + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh + d[None, :],
-                 _normalised(l_i, acc).to(out_ptr.dtype.element_ty), mask=(r < REP)[:, None])
+@triton.jit
+def _merge_spread(t, kvh, pos, m_ptr, l_ptr, o_ptr, out_ptr, stride_ot, stride_oh, max_tiles,
+                  H: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr, D: tl.constexpr,
+                  TILE: tl.constexpr, CHUNK: tl.constexpr):
+    # Spread row t's output (one position pos x the REP query heads of KV head kvh): its tiles'
+    # states merged in order by `_merge`, as `_attention_kernel` merges a walked row's; CHUNK
+    # states loaded before any of them is merged, past the cache of this program's SM (other
+    # programs wrote them)
+    r = tl.arange(0, REP_P2)
+    h = kvh * REP + r
+    d = tl.arange(0, D)
+    tiles = pos // TILE + 1
+    m_i = tl.full((REP_P2,), float("-inf"), tl.float32)
+    l_i = tl.zeros((REP_P2,), tl.float32)
+    acc = tl.zeros((REP_P2, D), tl.float32)
+    for j0 in range(0, tiles, CHUNK):
+        for i in tl.static_range(CHUNK):
+            live = (r < REP) & (j0 + i + r * 0 < tiles)
+            at = (t * max_tiles + j0 + i) * H + h
+            m_i, l_i, acc = _merge(
+                m_i, l_i, acc,
+                tl.load(m_ptr + at, mask=live, other=float("-inf"), cache_modifier=".cg"),
+                tl.load(l_ptr + at, mask=live, other=0.0, cache_modifier=".cg"),
+                tl.load(o_ptr + at[:, None] * D + d[None, :], mask=live[:, None], other=0.0,
+                        cache_modifier=".cg"), live)
+    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :],
+             _normalised(l_i, acc).to(out_ptr.dtype.element_ty), mask=(r < REP)[:, None])
 
 
 def block_rows(q_heads: int, kv_heads: int) -> int:
@@ -360,17 +367,13 @@ def launch(q, k_pool, v_pool, tables, base, blocks, positions, states, out, scal
     rep_p2 = triton.next_power_of_2(rep)
     m, l_tile, o = states if states is not None else (out, out, out)
     max_tiles = m.shape[1] if states is not None else 1
+    counts = launch_counts(q.device) if states is not None else out
     _attention_kernel[(blocks.shape[0], kvh, max_tiles)](
-        q, k_pool, v_pool, tables, base, blocks, positions, m, l_tile, o, out, q.stride(0),
+        q, k_pool, v_pool, tables, base, blocks, positions, m, l_tile, o, counts, out, q.stride(0),
         q.stride(1), out.stride(0), out.stride(1), k_pool.stride(0), k_pool.stride(1),
         k_pool.stride(2), k_pool.shape[1], max_tiles, scale, H=h, REP=rep, REP_P2=rep_p2,
         BLOCK_P=block_rows(h, kvh), D=d, TILE=TILE, SPREAD=states is not None, GROUPED=grouped,
-        num_warps=WARPS,
-        **NO_FUSION)
-    if states is not None:
-        _merge_kernel[(blocks.shape[0], kvh)](
-            blocks, positions, m, l_tile, o, out, out.stride(0), out.stride(1), max_tiles, H=h,
-            REP=rep, REP_P2=rep_p2, D=d, TILE=TILE, CHUNK=MERGE_CHUNK, **NO_FUSION)
+        CHUNK=MERGE_CHUNK, num_warps=WARPS, **NO_FUSION)
 
 
 @functools.cache
