@@ -57,9 +57,13 @@ def launch_counts(device):
     splits, a spread attention row's key tiles) count themselves finished here, and the last
     adds their partial results, then sets the count back to zero for the next launch. Shared by
     every launch of a device, which the worker makes one after another on one stream; a launch
-    counts fewer outputs than the device has SMs."""
+    counts fewer outputs than the device has SMs. Made on a kernel's first launch, which a step
+    graph's warm-up makes before its capture: a capture would record the zeroing, not run it."""
     import torch
 
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("launch_counts first asked for inside a CUDA graph capture: "
+                           "warm the launch up before capturing it")
     return torch.zeros(sm_count(device), dtype=torch.int32, device=device)
 
 
