@@ -258,6 +258,7 @@ def _merge_spread(t, kvh, pos, m_ptr, l_ptr, o_ptr, out_ptr, stride_ot, stride_o
     acc = tl.zeros((REP_P2, D), tl.float32)
     for j0 in range(0, tiles, CHUNK):
         for i in tl.static_range(CHUNK):
+            # (r * 0: Triton's interpreter cannot mask with a scalar and a tensor together)
             live = (r < REP) & (j0 + i + r * 0 < tiles)
             at = (t * max_tiles + j0 + i) * H + h
             m_i, l_i, acc = _merge(
