@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from exactness.invariance import PagedSequences, chunks_that_differ_from_rows
 
 from worker.batch import build_meta
-from worker.kernels import Scratch
+from worker.kernels import Scratch, launch_counts
 from worker.rope import Rope, apply_rope
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -62,6 +62,7 @@ def check_exact_attention() -> None:
     paged, *_ = interpreted()
     assert_dense(paged.paged_attention, MIXED)
     assert_dense(paged.paged_attention, DECODE)  # few rows: their tiles spread, then merged
+    assert not launch_counts(torch.device("cpu")).any()  # left at zero for the next launch
     # a chunk's rows are the rows attended one at a time, spread (the interpreter's float32
     # products are a row's own, as a GPU's tensor-core products are)
     seqs, chunks = sequences(), [range(0, 40), range(63, 66), range(125, 161)]
@@ -130,6 +131,7 @@ def check_exact_matmul() -> None:
     out = matmul.linear(x, w)
     assert torch.equal(out[5:7], matmul.linear(x[5:7], w))
     assert torch.equal(out[:70], matmul.linear(x[:70], w))
+    assert not launch_counts(torch.device("cpu")).any()  # left at zero for the next launch
 
 
 def check_rowwise() -> None:
