@@ -9,7 +9,9 @@ install never needs Triton):
 - `flash_triton`: default mode's paged attention (flash attention for prompts, split keys for
   decode steps);
 - `rowwise_triton`: RMSNorm, RoPE, SiLU-and-multiply and the residual add, one launch each, in
-  every mode (`worker/model.py`): cheaper than PyTorch's eager kernels and with their bits.
+  every mode (`worker/model.py`): cheaper than PyTorch's eager kernels and with their bits;
+- `counting`: how the last of an output's programs to finish knows it is the last
+  (`launch_counts` holds the counts).
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ def sm_count(device) -> int:
 @functools.cache
 def launch_counts(device):
     """Zeros [sm_count] int32 on a CUDA device: the programs of one output (a matmul tile's
-    splits, a spread attention row's key tiles) count themselves finished here, and the last
-    adds their partial results, then sets the count back to zero for the next launch. Shared by
+    splits, a spread attention row's key tiles) count themselves finished here
+    (`kernels.counting.last_to_finish`), and the last adds their partial results. Shared by
     every launch of a device, which the worker makes one after another on one stream; a launch
     counts fewer outputs than the device has SMs. Made on a kernel's first launch, which a step
     graph's warm-up makes before its capture: a capture would record the zeroing, not run it."""

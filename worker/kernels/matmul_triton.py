@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import launch_counts, sm_count
+from .counting import last_to_finish
 
 # The matmul's arithmetic: 64-row tiles, the K loop in steps of BLOCK_K, K cut into splits (each
 # summed from zero, then added in split order) by a count of the weight's and the GPU's.
@@ -32,8 +33,9 @@ MIN_SPLIT_K = 512  # the fewest K positions a split sums
 # docs/bench/matmul-sweep-h200.txt).
 SMALL_LAUNCH, LARGE_LAUNCH = (64, 4, 3), (64, 4, 3)
 # Rows up to which a spread launch's last program to finish a tile adds its splits, saving the
-# second kernel's launch: on an H100 llama-1b's step products 3% faster at 1 and 4 rows, even at
-# 32, and 2% slower at 128, where one program's sum trails the rest (docs/exact-mode.md, "Cost")
+# second kernel's launch: on an H100 llama-1b's step products 1-2% faster at 1 to 16 rows; added
+# that way at 32 rows they cost `siding bench exact` 1% at 32 sequences, and at 128 rows the
+# products were 2% slower, one program's sum trailing the rest (docs/exact-mode.md, "Cost")
 SUM_LAST_ROWS = 16
 
 
@@ -76,17 +78,13 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, counts_ptr, M, N, K, K_SPLI
     if SPREAD and SPLITS > 1:
         tl.store(parts_ptr + first.to(tl.int64) * stride_ps + at, total, mask=mask)
         if SUM_LAST:
-            # every thread's partial stored before the count says so (the atomic releases them
-            # at the GPU's scope; the last program's acquires the others')
-            tl.debug_barrier()
             tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-            if tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+            if last_to_finish(counts_ptr + tile, SPLITS):  # the others' partials from L2
                 total = tl.load(parts_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
                 for s in range(1, SPLITS):
                     total += tl.load(parts_ptr + s * stride_ps + at, mask=mask, other=0.0,
                                      cache_modifier=".cg")
                 tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.store(counts_ptr + tile, 0)  # for the next launch
     else:
         tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from . import Scratch, launch_counts, sm_count, states_bytes
+from .counting import last_to_finish
 
 TILE = 64  # key positions a row's state is computed over alone, then merged in order
 # (query position, head) rows per attention program, the fewest a tensor-core product takes: a
@@ -47,11 +48,11 @@ WARPS = 4
 # than one tile's positions (a prompt's): its keys read once per GROUP tiles, each tile's rows
 # computed as a lone tile's (`_attention_kernel` unrolls the four)
 GROUP = 4
-# Rows from which an eager launch groups its prompts' tiles (captured steps hold fewer and never
-# do). On an H100 grouped launches of 4,096 rows and more and 8 x 512 run 1.25-1.5x faster;
-# grouped launches of up to 288 rows (decode rows, a 256-row chunk beside 32 of them) ran 1.0-1.5x
-# slower: a grouped program's registers, and a short prompt's fewer programs (docs/exact-mode.md,
-# "Cost")
+# Rows from which an eager launch groups its prompts' tiles (a captured step's launch never does:
+# `StepAttention`). On an H100 grouped launches of 4,096 rows and more and 8 x 512 run 1.25-1.5x
+# faster; grouped launches of up to 288 rows (decode rows, a 256-row chunk beside 32 of them) ran
+# 1.0-1.5x slower: a grouped program's registers, and a short prompt's fewer programs
+# (docs/exact-mode.md, "Cost")
 GROUP_FROM_ROWS = 1024
 MERGE_CHUNK = 8  # spread tile states loaded before any of them is merged
 # Spread where a launch has fewer (block, KV head) programs than SMs / SPREAD_BELOW: on an H200
@@ -110,7 +111,7 @@ def tile_rows(pos_ptr, row0, n, sub, kvh, REP: tl.constexpr, REP_P2: tl.constexp
 def _merge(m_i, l_i, acc, m, l, o, live):
     # A row's state (max m_i, sum l_i, unnormalised output acc) followed by a tile's (m, l, o),
     # where live (else the state as it was, bit for bit); a row's first tile is taken as it is.
-    # Both merging kernels run this, so a row's states meet the same roundings in either.
+    # A walked row's merges and a spread row's run this, so they meet the same roundings.
     first = m_i == float("-inf")
     m_new = tl.maximum(m_i, m)
     a = tl.exp(m_i - m_new)
@@ -225,14 +226,10 @@ def _attention_kernel(
             tl.store(m_ptr + at, m_i, mask=valid)
             tl.store(l_ptr + at, l_i, mask=valid)
             tl.store(o_ptr + at[:, None] * D + d[None, :], acc, mask=valid[:, None])
-            # every thread's state stored before the count says so (the atomic releases them
-            # at the GPU's scope; the last program's acquires the others')
-            tl.debug_barrier()
             count = counts_ptr + qb * tl.num_programs(1) + kvh
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == tiles - 1:
+            if last_to_finish(count, tl.minimum(tiles, max_tiles)):
                 _merge_spread(row0.to(tl.int64), kvh, last, m_ptr, l_ptr, o_ptr, out_ptr,
                               stride_ot, stride_oh, max_tiles, H, REP, REP_P2, D, TILE, CHUNK)
-                tl.store(count, 0)  # for the next launch
         else:
             _store_rows(out_ptr, t, h, d, valid, l_i, acc, stride_ot, stride_oh)
             if GROUPED:  # a block of BLOCK_P rows or fewer stores nothing more: its rows are none
@@ -357,7 +354,7 @@ class StepAttention:
 
 def launch(q, k_pool, v_pool, tables, base, blocks, positions, states, out, scale: float,
            grouped: bool = False) -> None:
-    """The launches of a paged attention over explicit buffers, each sized by the caller. q,
+    """The launch of a paged attention over explicit buffers, each sized by the caller. q,
     out: [T, H, D]; tables: flat page ids, each offset by base [1]; blocks: [n, 3] as
     `step_blocks`, of `block_rows` positions (`grouped`: a prompt's of GROUP times that);
     positions: [T] (-1: a padding row); states: `Scratch.states` of a `tile_shape` covering
@@ -369,6 +366,7 @@ def launch(q, k_pool, v_pool, tables, base, blocks, positions, states, out, scal
     m, l_tile, o = states if states is not None else (out, out, out)
     max_tiles = m.shape[1] if states is not None else 1
     counts = launch_counts(q.device) if states is not None else out
+    assert states is None or blocks.shape[0] * kvh <= counts.numel(), "a count for each row"
     _attention_kernel[(blocks.shape[0], kvh, max_tiles)](
         q, k_pool, v_pool, tables, base, blocks, positions, m, l_tile, o, counts, out, q.stride(0),
         q.stride(1), out.stride(0), out.stride(1), k_pool.stride(0), k_pool.stride(1),
