@@ -13,7 +13,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from worker.kernels import matmul_triton, paged_triton  # noqa: E402
+from worker.kernels import FUSION, matmul_triton, paged_triton  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -60,8 +60,8 @@ def test_exact_matmul_compiles_for_hopper(spread, sum_last):
                    dict(SPLITS=4, SPREAD=spread, SUM_LAST=sum_last,
                         BLOCK_M=matmul_triton.BLOCK_M, BLOCK_N=block_n,
                         BLOCK_K=matmul_triton.BLOCK_K),
-                   num_warps=warps, num_stages=stages)
+                   num_warps=warps, num_stages=stages, **FUSION)
     assert ptx.count("atom.") == (1 if sum_last else 0)
     if not sum_last and spread:
         compiled(matmul_triton._sum_splits_kernel, {"parts_ptr": "*fp32", "out_ptr": "*bf16"},
-                 dict(SPLITS=4, BLOCK=1024))
+                 dict(SPLITS=4, BLOCK=1024), **FUSION)

@@ -25,6 +25,10 @@ from types import ModuleType
 # the step graphs' key buckets are counted in: they size their buffers by it without importing
 # Triton.
 ATTENTION_SPLIT = 256
+# What a kernel compiles with unless it says otherwise (exact attention: `paged_triton.NO_FUSION`):
+# multiply-adds fused where the compiler finds them, Triton's default up to 3.9, which the kernels'
+# bits and speed were measured with; 3.10 turns the default off
+FUSION = {"enable_fp_fusion": True}
 
 
 def splits_bucket(context: int) -> int:

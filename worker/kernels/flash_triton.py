@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import ATTENTION_SPLIT, Scratch, splits_bucket, states_bytes
+from . import ATTENTION_SPLIT, FUSION, Scratch, splits_bucket, states_bytes
 from . import paged_triton as paged
 from .paged_triton import block_tile_rows, tile_kv, tile_pages
 
@@ -207,7 +207,7 @@ def flash(q, k_pool, v_pool, meta, scale: float, tiles: tuple[int, int, int] | N
             q, k_pool, v_pool, tables, blocks, meta.positions, out, q.stride(0), q.stride(1),
             out.stride(0), out.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
             k_pool.shape[1], n_blocks, scale * LOG2E, REP=h // kvh, REP_P2=rep_p2,
-            BLOCK_P=block_p, D=d, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+            BLOCK_P=block_p, D=d, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **FUSION)
     return out
 
 
@@ -285,11 +285,11 @@ def launch_decode(q, k_pool, v_pool, tables, base, blocks, positions, scratch, o
         q, k_pool, v_pool, tables, base, blocks, positions, m, l_split, o,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         k_pool.shape[1], max_splits, scale, H=h, REP=rep, REP_P2=triton.next_power_of_2(rep),
-        BLOCK_P=block_p, D=d, SPLIT=split, BLOCK_KV=BLOCK_KV,
+        BLOCK_P=block_p, D=d, SPLIT=split, BLOCK_KV=BLOCK_KV, **FUSION,
     )
     _attention_combine_kernel[(t, h)](m, l_split, o, positions, out, out.stride(0),
                                       out.stride(1), max_splits, H=h, D=d, SPLIT=split,
-                                      CHUNK=COMBINE_CHUNK)
+                                      CHUNK=COMBINE_CHUNK, **FUSION)
 
 
 def whole_prompt(q, k_pool, v_pool, meta, b: int, scale: float) -> torch.Tensor:

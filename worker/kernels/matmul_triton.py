@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch_counts, sm_count
+from . import FUSION, launch_counts, sm_count
 from .counting import last_to_finish
 
 # The matmul's arithmetic: 64-row tiles, the K loop in steps of BLOCK_K, K cut into splits (each
@@ -132,10 +132,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         _linear_kernel[(*tiles, splits if spread else 1)](
             rows, weight, out, parts, counts, m, n, k, k_split, rows.stride(0), weight.stride(0),
             n, m * n, SPLITS=splits, SPREAD=spread, SUM_LAST=sum_last, BLOCK_M=BLOCK_M,
-            BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
+            BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages, **FUSION)
         if spread and not sum_last:
             _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](parts, out, m * n, SPLITS=splits,
-                                                            BLOCK=1024)
+                                                            BLOCK=1024, **FUSION)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], n)

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import Scratch, launch_counts, sm_count, states_bytes
+from . import FUSION, Scratch, launch_counts, sm_count, states_bytes
 from .counting import last_to_finish
 
 TILE = 64  # key positions a row's state is computed over alone, then merged in order
@@ -419,5 +419,5 @@ def write_rows(k_pages, v_pages, k, v, pages, offsets, carried=None) -> None:
         k_pages, v_pages, k, v, pages, offsets, carry, carry_pages, carry_offsets,
         k_pages.stride(0), k_pages.stride(1), *k.stride(), *v.stride(),
         carry.stride(0) if carried is not None else 0, KVH=kvh, D=d,
-        BLOCK=triton.next_power_of_2(kvh * d),
+        BLOCK=triton.next_power_of_2(kvh * d), **FUSION,
     )

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import FUSION
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr):
@@ -40,7 +42,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0),
                                            rows.shape[1], eps,
-                                           BLOCK=triton.next_power_of_2(rows.shape[1]))
+                                           BLOCK=triton.next_power_of_2(rows.shape[1]), **FUSION)
     return out.reshape(x.shape)
 
 
@@ -69,7 +71,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
     out = torch.empty_like(total)
     if t:
         _add_rms_norm_kernel[(t,)](x, y, weight, total, out, x.stride(0), y.stride(0), n, eps,
-                                   BLOCK=triton.next_power_of_2(n))
+                                   BLOCK=triton.next_power_of_2(n), **FUSION)
     return total, out
 
 
@@ -137,7 +139,7 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
     if t:
         _rope_kernel[(t,)](qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0), H=heads,
                            KVH=kv_heads, HALF=head_dim // 2,
-                           HEADS=triton.next_power_of_2(heads + kv_heads))
+                           HEADS=triton.next_power_of_2(heads + kv_heads), **FUSION)
     v = qkv[:, (heads + kv_heads) * head_dim:].view(t, kv_heads, head_dim)
     return q, k, v
 
@@ -167,5 +169,5 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, f, dtype=x.dtype, device=x.device)
     if t:
         _silu_mul_kernel[(t, triton.cdiv(f, SILU_BLOCK))](x, out, x.stride(0), f,
-                                                           BLOCK=SILU_BLOCK)
+                                                           BLOCK=SILU_BLOCK, **FUSION)
     return out
