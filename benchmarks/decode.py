@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from coordinator.config import threads_per_worker
-from coordinator.local_cluster import LocalCluster
+from coordinator.local_cluster import LocalCluster, checkout_env
 from worker.build import resolve_dtype
 from worker.loaders import DEFAULT_MODEL, resolve
 from worker.model import ModelArgs
@@ -30,6 +30,8 @@ from . import decode_load
 from .report import (
     Series,
     Spread,
+    client_processes,
+    client_result,
     format_table,
     machine_info,
     progress,
@@ -43,6 +45,7 @@ from .report import (
 SCENARIO = "decode"
 PROMPT_SEED = 0
 LOWEST_PROMPT_ID = 100  # ids below are special or control tokens in common vocabularies
+CLIENT_START_S = 0.3  # from the go signal to the first request of client processes
 
 
 @dataclass
@@ -100,27 +103,46 @@ def timed_batch(
 class SidingArm:
     """`batch` concurrent streamed requests to a running cluster, timed as tokens reach its
     clients (`decode_load.py`: in this process, or dealt over `client_procs(batch, procs)`
-    client processes, `procs` being `--client-procs`); greedy, or drawn with `sampling`
-    (temperature, top_p), each request its own seed."""
+    client processes, `procs` being `--client-procs`, run from the checkout `root` where it is
+    another's); greedy, or drawn with `sampling` (temperature, top_p), each request its own
+    seed."""
 
     def __init__(self, endpoint: str, prompts: list[list[int]], name: str = "siding",
-                 sampling: dict[str, float] | None = None, procs: int | None = 1):
+                 sampling: dict[str, float] | None = None, procs: int | None = 1,
+                 root: str | None = None):
         self.endpoint = endpoint
         self.prompts = prompts
         self.name = name  # "siding", or "baseline": a cluster run from another checkout
         self.sampling = sampling or {}
         self.procs = procs
+        self.root = root  # that checkout, whose clients speak its protocol (None: this one)
 
     def run(self, batch: int, tokens: int, repeat: int = -1) -> Sample:
         requests = list(enumerate(self.prompts[:batch]))
         procs = min(batch, client_procs(batch, self.procs))
-        if procs > 1:
-            start, arrivals = decode_load.in_processes(self.endpoint, requests, tokens,
-                                                       self.sampling, procs)
+        if procs > 1 or self.root is not None:
+            start, arrivals = in_processes(self.endpoint, requests, tokens, self.sampling, procs,
+                                           self.root)
         else:
             start, arrivals = asyncio.run(decode_load.streams(self.endpoint, requests, tokens,
                                                               self.sampling))
         return timed_batch(self.name, batch, repeat, start, arrivals)
+
+
+def in_processes(endpoint: str, requests: list[tuple[int, list[int]]], tokens: int,
+                 sampling: dict[str, float], procs: int, root: str | None = None
+                 ) -> tuple[float, list[list[float]]]:
+    """`decode_load.streams`, its requests dealt over `procs` client processes that start
+    together, run from the checkout `root` (None: this one)."""
+    shares = [{"endpoint": endpoint, "requests": requests[k::procs], "tokens": tokens,
+               "sampling": sampling} for k in range(procs)]
+    with client_processes("benchmarks.decode_load", shares, CLIENT_START_S, root,
+                          checkout_env(root)) as (clients, _):
+        per_proc = [client_result(proc) for proc in clients]
+    arrivals: list[list[float]] = [[] for _ in requests]
+    for k, share in enumerate(per_proc):
+        arrivals[k::procs] = share["arrivals"]
+    return min(share["start"] for share in per_proc), arrivals
 
 
 def client_procs(batch: int, given: int | None) -> int:
@@ -269,6 +291,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--{name} must be at least {low}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error("--temperature must be at least 0 and --top-p in (0, 1]")
+    if args.baseline and not os.path.isfile(os.path.join(args.baseline, "benchmarks",
+                                                         "decode_load.py")):
+        p.error(f"--baseline {args.baseline}: its clients run from that checkout, which has no "
+                "benchmarks/decode_load.py (a tree from before it: copy this tree's there; its "
+                "protocol's AsyncClient is what it calls)")
     return args
 
 
@@ -329,7 +356,7 @@ def main(argv: list[str]) -> None:
             progress(SCENARIO, f"starting {name} ({root or 'this tree'}): {' '.join(launch)}")
             cluster = stack.enter_context(LocalCluster(*launch, root=root))
             arms.append(SidingArm(cluster.endpoint, prompts.tolist(), name, sampling,
-                                  args.client_procs))
+                                  args.client_procs, root))
         if hf is not None:
             arms.append(hf)
         progress(SCENARIO, "warming up: one full run of each arm and batch size")

@@ -1,6 +1,8 @@
 """`siding bench decode`'s streams: a batch's requests sent at once through siding's
 `AsyncClient`, each token's arrival timed; in the bench's process, or spread over client
-processes of their own (`python -m benchmarks.decode_load`, `--client-procs`).
+processes of their own (`python -m benchmarks.decode_load`, `--client-procs`; a baseline
+cluster's always, run from its checkout: a client speaks its own tree's protocol, so this module
+imports nothing of the bench's but the client, and a checkout from before it takes a copy).
 
 One asyncio client reads some 10-13 thousand chunks a second (an H200 host, 83eb69b's client),
 less than a cluster streams at batch 32: past that a single client times itself, not the
@@ -18,10 +20,6 @@ import time
 from typing import Any
 
 from protocol import AsyncClient
-
-from .report import client_processes, client_result
-
-START_S = 0.3  # from the go signal to the first request
 
 
 async def stream(client: AsyncClient, prompt: list[int], tokens: int, seed: int,
@@ -53,19 +51,6 @@ async def streams(endpoint: str, requests: list[tuple[int, list[int]]], tokens: 
     finally:
         await client.close()
     return start, arrivals
-
-
-def in_processes(endpoint: str, requests: list[tuple[int, list[int]]], tokens: int,
-                 sampling: dict[str, float], procs: int) -> tuple[float, list[list[float]]]:
-    """`streams`, its requests dealt over `procs` client processes that start together."""
-    shares = [{"endpoint": endpoint, "requests": requests[k::procs], "tokens": tokens,
-               "sampling": sampling} for k in range(procs)]
-    with client_processes("benchmarks.decode_load", shares, START_S) as (clients, _):
-        per_proc = [client_result(proc) for proc in clients]
-    arrivals: list[list[float]] = [[] for _ in requests]
-    for k, share in enumerate(per_proc):
-        arrivals[k::procs] = share["arrivals"]
-    return min(share["start"] for share in per_proc), arrivals
 
 
 def client_main() -> None:

@@ -8,15 +8,29 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks import decode, decode_load, report
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_a_baseline_cluster_is_timed_beside_this_trees(tmp_path, capsys):
+def test_a_baseline_cluster_is_timed_beside_this_trees(tmp_path, capsys, monkeypatch):
+    clients = []  # where each client process ran from
+    popen = report.subprocess.Popen
+
+    def spy(cmd, *args, **kwargs):
+        if "benchmarks.decode_load" in cmd:
+            clients.append(kwargs["cwd"])
+        return popen(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(report.subprocess, "Popen", spy)
     decode.main(["--model", "synthetic:tiny", "--device", "cpu", "--batch-sizes", "1,2",
                  "--context", "8", "--tokens", "4", "--repeats", "2", "--no-hf",
-                 "--baseline", str(ROOT), "--out", str(tmp_path)])
+                 "--baseline", str(ROOT), "--out", str(tmp_path), "--client-procs", "1"])
+    # this tree's streams in the bench's process; the baseline's from its checkout (a client
+    # speaks its own tree's protocol), one process a batch, warm-up and repeats
+    assert clients == [str(ROOT)] * 6
     (path,) = tmp_path.glob("decode-*.json")
     record = json.loads(path.read_text())
     timed = sorted((s["arm"], s["batch"], s["repeat"]) for s in record["samples"])
@@ -67,3 +81,13 @@ def test_a_batch_dealt_over_client_processes_times_every_token(tmp_path, monkeyp
     assert samples[3]["total_tokens"] == 15 and samples[1]["total_tokens"] == 5
     for s in samples.values():
         assert 0 < s["ttft"] < s["total_seconds"] and s["decode_tokens"] > 0
+
+
+def test_a_baseline_without_the_bench_client_is_refused_before_any_cluster_starts(tmp_path,
+                                                                                  capsys):
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--baseline", str(tmp_path)])
+    assert "benchmarks/decode_load.py" in capsys.readouterr().err
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "decode_load.py").write_text("")
+    assert decode.parse_args(["--baseline", str(tmp_path)]).baseline == str(tmp_path)
