@@ -30,6 +30,7 @@ from . import decode_load
 from .report import (
     Series,
     Spread,
+    check_baseline_client,
     client_processes,
     client_result,
     format_table,
@@ -291,11 +292,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--{name} must be at least {low}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error("--temperature must be at least 0 and --top-p in (0, 1]")
-    if args.baseline and not os.path.isfile(os.path.join(args.baseline, "benchmarks",
-                                                         "decode_load.py")):
-        p.error(f"--baseline {args.baseline}: its clients run from that checkout, which has no "
-                "benchmarks/decode_load.py (a tree from before it: copy this tree's there; its "
-                "protocol's AsyncClient is what it calls)")
+    check_baseline_client(p, args.baseline, "decode_load.py")
     return args
 
 

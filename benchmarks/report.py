@@ -138,6 +138,16 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(line(row) for row in cells)
 
 
+def check_baseline_client(parser: Any, baseline: str | None, client: str) -> None:
+    """Refuse (`parser.error`) a `--baseline` checkout without the bench's client module
+    `benchmarks/<client>`: a baseline's clients run from its checkout, since a client speaks
+    its own tree's protocol."""
+    if baseline and not os.path.isfile(os.path.join(baseline, "benchmarks", client)):
+        parser.error(f"--baseline {baseline}: its clients run from that checkout, which has no "
+                     f"benchmarks/{client} (a tree from before it: copy this tree's there; its "
+                     "protocol's AsyncClient is what it calls)")
+
+
 @contextlib.contextmanager
 def client_processes(module: str, shares: Sequence[Any], start_s: float, cwd: str | None = None,
                      env: dict[str, str] | None = None) -> Iterator[tuple[list, float]]:

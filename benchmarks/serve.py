@@ -84,6 +84,7 @@ from .proc_cpu import (
 from .report import (
     Series,
     Spread,
+    check_baseline_client,
     client_processes,
     client_result,
     expect,
@@ -260,10 +261,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--mode open needs --rate")
     if a.mode == "open" and a.requests_per_client is not None:
         p.error("--requests-per-client is for the closed loop")
-    if a.baseline and not os.path.isfile(os.path.join(a.baseline, "benchmarks", "serve_load.py")):
-        p.error(f"--baseline {a.baseline}: its clients run from that checkout, which has no "
-                "benchmarks/serve_load.py (a tree from before bench serve: copy this tree's "
-                "there; its protocol's AsyncClient is what it calls)")
+    check_baseline_client(p, a.baseline, "serve_load.py")
     for name in ("prompt_len", "output_len", "workers", "frontends", "inprocess_steps",
                  "requests_per_client", "streams_per_socket"):
         if getattr(a, name) is not None and getattr(a, name) < 1:

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from benchmarks import decode, serve
 from benchmarks.report import (
     Series,
     Spread,
@@ -62,3 +63,15 @@ def test_table_pads_columns_first_left_rest_right():
         "1        9.5",
         "16     120.0",
     ]
+
+
+@pytest.mark.parametrize("bench,client", [(decode, "decode_load.py"), (serve, "serve_load.py")])
+def test_a_baseline_without_the_bench_client_is_refused_before_any_cluster_starts(
+        bench, client, tmp_path, capsys):
+    # a baseline's clients run from its checkout (`check_baseline_client`)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--baseline", str(tmp_path)])
+    assert f"no benchmarks/{client}" in capsys.readouterr().err
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / client).write_text("")
+    assert bench.parse_args(["--baseline", str(tmp_path)]).baseline == str(tmp_path)

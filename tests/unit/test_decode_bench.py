@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from benchmarks import decode, decode_load, report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,13 +79,3 @@ def test_a_batch_dealt_over_client_processes_times_every_token(tmp_path, monkeyp
     assert samples[3]["total_tokens"] == 15 and samples[1]["total_tokens"] == 5
     for s in samples.values():
         assert 0 < s["ttft"] < s["total_seconds"] and s["decode_tokens"] > 0
-
-
-def test_a_baseline_without_the_bench_client_is_refused_before_any_cluster_starts(tmp_path,
-                                                                                  capsys):
-    with pytest.raises(SystemExit):
-        decode.parse_args(["--baseline", str(tmp_path)])
-    assert "benchmarks/decode_load.py" in capsys.readouterr().err
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "benchmarks" / "decode_load.py").write_text("")
-    assert decode.parse_args(["--baseline", str(tmp_path)]).baseline == str(tmp_path)

@@ -175,13 +175,3 @@ def test_the_arms_take_turns_going_first_point_by_point():
     assert [x for x, _ in order] == [32] * 3 + [128] * 3 + [256] * 3
     assert [run for _, run in order] == runs + runs[::-1] + runs
     assert serve.run_order([16], runs[:1]) == [(16, runs[0])]
-
-
-def test_a_baseline_without_the_bench_client_is_refused_before_any_cluster_starts(tmp_path,
-                                                                                  capsys):
-    with pytest.raises(SystemExit):
-        serve.parse_args(["--baseline", str(tmp_path)])
-    assert "no benchmarks/serve_load.py" in capsys.readouterr().err
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "benchmarks" / "serve_load.py").write_text("")
-    assert serve.parse_args(["--baseline", str(tmp_path)]).baseline == str(tmp_path)
