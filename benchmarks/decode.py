@@ -34,6 +34,7 @@ from .report import (
     client_processes,
     client_result,
     format_table,
+    log_path,
     machine_info,
     progress,
     ratio,
@@ -283,7 +284,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="client processes a batch's streams are dealt over (default: one per "
                    "8 streams, at most half the cores): one asyncio client reads some 10k "
                    "chunks a second, less than a GPU cluster streams at batch 32")
-    p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
+    p.add_argument("--out", default="bench-results",
+                   help="directory for the JSON, the PNG and each cluster's log")
     args = p.parse_args(argv)
     if args.client_procs is not None and args.client_procs < 1:
         p.error("--client-procs must be at least 1")
@@ -351,7 +353,8 @@ def main(argv: list[str]) -> None:
         for name, root in [("siding", None), *([("baseline", args.baseline)]
                                                if args.baseline else [])]:
             progress(SCENARIO, f"starting {name} ({root or 'this tree'}): {' '.join(launch)}")
-            cluster = stack.enter_context(LocalCluster(*launch, root=root))
+            cluster = stack.enter_context(LocalCluster(
+                *launch, root=root, log=log_path(args.out, SCENARIO, stamp, name)))
             arms.append(SidingArm(cluster.endpoint, prompts.tolist(), name, sampling,
                                   args.client_procs, root))
         if hf is not None:

@@ -33,6 +33,7 @@ from .report import (
     Series,
     Spread,
     format_table,
+    log_path,
     machine_info,
     progress,
     ratio,
@@ -104,7 +105,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5 if cuda else 3)
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="both clusters run decode steps eagerly (`siding launch` flag)")
-    p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
+    p.add_argument("--out", default="bench-results",
+                   help="directory for the JSON, the PNG and each cluster's log")
     args = p.parse_args(argv)
     for name, low in (("context", 1), ("tokens", 2), ("rounds", 1)):
         if getattr(args, name) < low:
@@ -143,7 +145,9 @@ def main(argv: list[str]) -> None:
     progress(SCENARIO, f"starting two clusters: {' '.join(launch)} [--exact]")
     samples: list[Sample] = []
     identical = {a: dict.fromkeys(args.concurrency, True) for a in ARMS}
-    with LocalCluster(*launch) as default, LocalCluster(*launch, "--exact") as exact:
+    logs = {a: log_path(args.out, SCENARIO, stamp, a) for a in ARMS}
+    with LocalCluster(*launch, log=logs["default"]) as default, \
+            LocalCluster(*launch, "--exact", log=logs["exact"]) as exact:
         endpoints = {"default": default.endpoint, "exact": exact.endpoint}
         progress(SCENARIO, "warming up; request 0 alone is the solo reference")
         solo = {a: run_batch(endpoints[a], prompts[:1], args.tokens, a)[1] for a in ARMS}

@@ -34,6 +34,7 @@ from .report import (
     Series,
     Spread,
     format_table,
+    log_path,
     machine_info,
     progress,
     ratio,
@@ -61,7 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=16, help="tokens generated per request")
     p.add_argument("--kv-pages", type=int, default=4096)
     p.add_argument("--extra", default="", help="more `siding launch` flags, one string")
-    p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
+    p.add_argument("--out", default="bench-results",
+                   help="directory for the JSON, the PNG and each cluster's log")
     a = p.parse_args(argv)
     for name in ("prefix", "questions", "turns", "tokens"):
         if getattr(a, name) < 1:
@@ -117,7 +119,7 @@ async def chat(endpoint: str, a: argparse.Namespace) -> dict[str, Any]:
     return {"ttft_s": ttfts, "last_prompt_tokens": len(conversation) - TURN_TOKENS}
 
 
-def run(a: argparse.Namespace, cache: bool) -> dict[str, Any]:
+def run(a: argparse.Namespace, cache: bool, stamp: str) -> dict[str, Any]:
     args = ["--model", a.model, "--devices", a.device, "--dtype", a.dtype, "--kv-pages",
             str(a.kv_pages), "--max-batch-tokens", str(max(512, a.prefix + 64)),
             *shlex.split(a.extra)]
@@ -125,7 +127,8 @@ def run(a: argparse.Namespace, cache: bool) -> dict[str, Any]:
         args.append("--no-prefix-cache")
     label = "on" if cache else "off"
     progress(SCENARIO, f"cache {label}: starting siding {' '.join(args)}")
-    with LocalCluster(*args, timeout=1800) as cluster:
+    with LocalCluster(*args, timeout=1800,
+                      log=log_path(a.out, SCENARIO, stamp, f"cache-{label}")) as cluster:
         progress(SCENARIO, f"cache {label}: shared prefix of {a.prefix} tokens, "
                  f"{a.questions} questions")
         shared = asyncio.run(shared_prefix(cluster.endpoint, a))
@@ -137,7 +140,7 @@ def run(a: argparse.Namespace, cache: bool) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     stamp = timestamp()
-    on, off = run(a, cache=True), run(a, cache=False)
+    on, off = run(a, True, stamp), run(a, False, stamp)
     s_on, s_off = on["shared"], off["shared"]
     speedup = ratio(s_off["ttft_s"], s_on["ttft_s"])
     rows = [

@@ -66,6 +66,14 @@ def result_paths(out_dir: str | Path, scenario: str, stamp: str) -> tuple[Path, 
     return out / f"{scenario}-{stamp}.json", out / f"{scenario}-{stamp}.png"
 
 
+def log_path(out_dir: str | Path, scenario: str, stamp: str, arm: str) -> Path:
+    """Where a run's cluster for `arm` logs (its processes' stderr), beside the record;
+    creates `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return out / f"{scenario}-{stamp}-{arm}.log"
+
+
 def machine_info(device: str) -> dict[str, Any]:
     if device.startswith("cuda"):
         device_name = torch.cuda.get_device_name(torch.device(device))

@@ -89,6 +89,7 @@ from .report import (
     client_result,
     expect,
     format_table,
+    log_path,
     machine_info,
     progress,
     result_paths,
@@ -255,7 +256,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="also load a cluster run from another checkout (say `git worktree add "
                    "DIR main`), point by point beside this tree's, first at every other point: a "
                    "side-by-side A/B")
-    p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
+    p.add_argument("--out", default="bench-results",
+                   help="directory for the JSON, the PNG and each cluster's log")
     a = p.parse_args(argv)
     if a.mode == "open" and a.rate is None:
         p.error("--mode open needs --rate")
@@ -340,7 +342,8 @@ def main(argv: list[str]) -> None:
             args = [*launch, *(["--http", "127.0.0.1:0"] if arm == "siding" and "http" in a.api
                                else []), "--metrics-port", str(port)]
             progress(SCENARIO, f"starting {arm} ({root or 'this tree'}): {' '.join(args)}")
-            clusters[arm] = stack.enter_context(LocalCluster(*args, root=root))
+            clusters[arm] = stack.enter_context(LocalCluster(
+                *args, root=root, log=log_path(a.out, SCENARIO, stamp, arm)))
             time.sleep(spin)  # the windows its start-up's last messages opened
             idle[arm] = idle_cores(clusters[arm].proc.pid)
             progress(SCENARIO, f"idle {arm} cluster: " + ", ".join(

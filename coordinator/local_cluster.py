@@ -6,12 +6,14 @@ way a user does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 
 def checkout_env(root: str | None) -> dict[str, str]:
@@ -25,7 +27,7 @@ def checkout_env(root: str | None) -> dict[str, str]:
 
 class LocalCluster:
     def __init__(self, *launch_args: str, timeout: float = 600.0, quiet: bool = True,
-                 command: str = "launch", root: str | None = None):
+                 command: str = "launch", root: str | None = None, log: str | Path | None = None):
         self.args = list(launch_args)
         self.root = root  # another checkout to run the cluster from (a benchmark's baseline)
         self.command = command  # "coordinator" waits for workers started elsewhere
@@ -35,6 +37,7 @@ class LocalCluster:
         self.endpoint = ""
         self.http = ""  # the OpenAI API's URLs (comma-separated), when launched with --http
         self.stderr: list[str] = []
+        self.log = log  # a file that gets every stderr line as it comes (a benchmark's record)
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -75,10 +78,13 @@ class LocalCluster:
                 ready.set()
 
     def _read_stderr(self) -> None:
-        for line in self.proc.stderr:
-            self.stderr.append(line)
-            if not self.quiet:
-                sys.stderr.write(line)
+        with open(self.log, "a", buffering=1) if self.log else contextlib.nullcontext() as log:
+            for line in self.proc.stderr:
+                self.stderr.append(line)
+                if log:
+                    log.write(line)
+                if not self.quiet:
+                    sys.stderr.write(line)
 
     def stop(self, timeout: float = 30.0) -> int | None:
         if self.proc is None or self.proc.poll() is not None:

@@ -1,7 +1,7 @@
 """`siding bench decode --baseline`: a second cluster from another checkout, timed batch by
 batch beside this tree's, with the ratio in the record and the table; `--temperature`: every
 request drawn, each with a seed of its own; `--client-procs`: a batch's streams dealt over client
-processes, every token of every request timed."""
+processes, every token of every request timed; each cluster's log kept beside the record."""
 
 from __future__ import annotations
 
@@ -39,6 +39,10 @@ def test_a_baseline_cluster_is_timed_beside_this_trees(tmp_path, capsys, monkeyp
         assert p["siding_over_baseline"] == ratio > 0 and p["hf"] is None
     out = capsys.readouterr().out
     assert "baseline tok/s" in out and "siding/baseline" in out
+    # each cluster's log beside the record: its processes' stderr, the worker's among them
+    for arm in ("siding", "baseline"):
+        log = path.with_name(f"{path.stem}-{arm}.log").read_text()
+        assert "worker 0: cpu pid" in log, log
 
 
 def test_drawn_decode_sends_each_request_its_sampling_and_a_seed(tmp_path, monkeypatch):
