@@ -140,7 +140,7 @@ def run(a: argparse.Namespace, cache: bool, stamp: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     stamp = timestamp()
-    on, off = run(a, True, stamp), run(a, False, stamp)
+    on, off = run(a, cache=True, stamp=stamp), run(a, cache=False, stamp=stamp)
     s_on, s_off = on["shared"], off["shared"]
     speedup = ratio(s_off["ttft_s"], s_on["ttft_s"])
     rows = [
