@@ -141,7 +141,7 @@ def test_bad_input_to_a_frontend_never_reaches_the_core(cluster):
     before = dropped()
     for frames in CASES.values():
         raw_exchange(cluster.endpoint, frames, wait_ms=1000)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while (after := dropped())["client"] - before["client"] < len(CASES):
         assert time.monotonic() < deadline, after  # a frontend reports once a second
         time.sleep(0.2)

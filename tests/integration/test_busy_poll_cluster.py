@@ -19,8 +19,10 @@ def test_an_idle_cluster_spins_only_in_the_window_after_a_request(launch):
         assert len(client.generate(prompt_token_ids=[5, 6, 7], max_tokens=4,
                                    ignore_eos=True).token_ids) == 4
     after = idle_cores(c.proc.pid, WINDOW_S / 2)
-    assert after["core"] > 0.25, after  # spinning (three processes on CI's two cores)
+    # spinning: three processes sharing CI's two cores, with whatever else runs beside them
+    assert after["core"] > 0.1, after
     time.sleep(WINDOW_S / 2 + 0.5)  # the request's window closes
     idle = idle_cores(c.proc.pid, IDLE_S)
-    # spinning through each heartbeat's window kept the core a quarter to half busy
-    assert max(idle.values()) < 0.1, idle
+    # sleeping, a process's few wake-ups cost it a few milliseconds a second however busy the
+    # machine; spinning through each heartbeat's window kept the core a quarter to half busy
+    assert max(idle.values()) < 0.05, idle

@@ -226,7 +226,7 @@ def test_a_client_that_hangs_up_on_a_whole_response_is_aborted(cluster, zmq):
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                   b"\r\nAuthorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
                   + str(len(body)).encode() + b"\r\n\r\n" + body)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while pages_used(zmq) == 0:
             assert time.monotonic() < deadline
             time.sleep(0.05)
@@ -351,7 +351,7 @@ def test_health_is_503_while_a_worker_is_down_and_200_once_it_is_back(cluster, z
     import signal
 
     os.kill(zmq.status()["workers"][0]["pid"], signal.SIGKILL)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while (r := request(cluster, "GET", "/health")).status_code == 200:
         assert time.monotonic() < deadline, "still healthy with its worker dead"
         time.sleep(0.1)

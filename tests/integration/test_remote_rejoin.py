@@ -82,7 +82,7 @@ def test_a_remote_worker_that_dies_and_comes_back_loses_no_request(reference):
         t0 = time.monotonic()
         with Client(cluster.endpoint, timeout=120) as c, pytest.raises(RequestError) as e:
             c.generate(prompt_token_ids=PROMPTS[0], max_tokens=8)
-        assert e.value.code == "worker_failed" and 8 < time.monotonic() - t0 < 40
+        assert e.value.code == "worker_failed" and 8 < time.monotonic() - t0 < 110  # not at 120
         workers[1] = start_worker(port, 1)
         with Client(cluster.endpoint, timeout=120) as c:
             r = c.generate(prompt_token_ids=PROMPTS[0], max_tokens=TOKENS, ignore_eos=True)

@@ -78,7 +78,7 @@ def test_within_the_window_it_looks_in_a_loop_and_past_it_it_sleeps():
     poller = CountingPoller()
     t0 = time.monotonic()
     assert BusyPoller(10.0).poll(poller, 100) == {}
-    assert 0.09 < time.monotonic() - t0 < 1.0
+    assert 0.09 < time.monotonic() - t0 < 5.0  # its timeout, not its 10 s window
     assert poller.looks > 10 and poller.waits in ([], [0])  # spun out the whole timeout
     poller = CountingPoller()
     assert BusyPoller(0.0).poll(poller, 100) == {}
@@ -87,7 +87,7 @@ def test_within_the_window_it_looks_in_a_loop_and_past_it_it_sleeps():
     busy = BusyPoller(0.03)  # its window is open since its start: spins, then sleeps the rest
     t0 = time.monotonic()
     assert busy.poll(poller, 300) == {}
-    assert 0.29 < time.monotonic() - t0 < 1.5
+    assert 0.29 < time.monotonic() - t0 < 5.0
     assert poller.looks > 10 and len(poller.waits) == 1 and 200 < poller.waits[0] < 300
     poller = CountingPoller()
     assert busy.poll(poller, 50) == {}  # the window has closed: nothing came
@@ -118,9 +118,9 @@ def test_a_message_ends_the_spin_and_opens_the_window_again(pair):
     busy = BusyPoller(10.0)
     timer = threading.Timer(0.05, a.send, [b"plan"])
     timer.start()
-    events, wall = waited(busy, poller, 2000)
+    events, wall = waited(busy, poller, 60_000)
     timer.join()
-    assert events == {b: zmq.POLLIN} and wall < 1.0 and b.recv() == b"plan"
+    assert events == {b: zmq.POLLIN} and wall < 30 and b.recv() == b"plan"  # not at its timeout
     before = busy.last
     assert waited(busy, poller, 0)[0] == {}  # 0: a look, not a wait
     assert busy.last == before

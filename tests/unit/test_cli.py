@@ -79,7 +79,7 @@ def test_a_cluster_that_is_not_running_is_answered_in_seconds_with_a_hint(comman
         port = s.getsockname()[1]  # nothing listens on it once closed
     t0 = time.monotonic()
     r = run_cli(*command, "--endpoint", f"tcp://127.0.0.1:{port}")
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 60  # its silence timeout (3 s), not its timeout (600 s)
     assert r.returncode == 1 and "is a cluster running? Start one with `siding launch`" in (
         r.stderr), r.stderr
 

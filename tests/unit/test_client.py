@@ -74,7 +74,8 @@ class FakeServer:
             self.received.put(msg)
             for reply in self.script(msg):
                 if isinstance(reply, float):
-                    time.sleep(reply)
+                    if self._stop.wait(reply):  # closed: the rest of the script is moot
+                        return
                     continue
                 frames = reply if isinstance(reply, list) else encode(reply)
                 self._socket.send_multipart([identity, *frames])
@@ -250,11 +251,11 @@ def test_no_reply_within_the_timeout_raises_and_aborts(serve):
 
 
 def test_keepalives_do_not_extend_the_timeout(serve):
-    server = serve(lambda msg: [keepalive(msg.request_id), 0.05] * 20)  # 1 s of keepalives
+    server = serve(lambda msg: [keepalive(msg.request_id), 0.05] * 400)  # 20 s of keepalives
     with Client(server.endpoint, timeout=0.25) as c, pytest.raises(RequestError) as e:
         start = time.monotonic()
         c.generate("x")
-    assert time.monotonic() - start < 0.7
+    assert time.monotonic() - start < 10
     assert e.value.code == ErrorCode.TIMEOUT
 
 
@@ -414,7 +415,7 @@ def test_a_silent_server_fails_the_wait_at_once_not_at_its_timeout(serve):
         t0 = time.monotonic()
         with pytest.raises(RequestError) as e:
             c.generate("x", request_id="lost")
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 20  # its silence timeout (0.5 s), not its timeout (60 s)
     assert e.value.code == "unavailable" and "nothing heard" in e.value.message
     assert "is a cluster running? Start one with `siding launch`" in e.value.message
     assert e.value.request_id == "lost"
@@ -442,7 +443,7 @@ def test_a_silent_server_fails_every_async_wait(serve):
 
     t0 = time.monotonic()
     errors = asyncio.run(main())
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 20  # their silence timeout (0.5 s), not their timeout (60 s)
     assert all(isinstance(e, RequestError) and "nothing heard" in e.message for e in errors)
 
 
@@ -472,4 +473,4 @@ def test_get_within_returns_what_is_queued_or_gives_up_at_its_deadline():
 
     first, waited, later, empty = asyncio.run(run())
     assert (first, later, empty) == ("ready", "later", True)
-    assert 0.04 <= waited < 2.0
+    assert 0.04 <= waited < 10

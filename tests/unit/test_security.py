@@ -184,4 +184,4 @@ def test_a_refused_client_hears_unavailable_at_its_silence_timeout_not_its_timeo
                 t0 = time.monotonic()
                 with pytest.raises(RequestError) as e:
                     c.status()
-                assert e.value.code == "unavailable" and time.monotonic() - t0 < 5
+                assert e.value.code == "unavailable" and time.monotonic() - t0 < 15  # not 30
