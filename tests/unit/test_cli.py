@@ -103,3 +103,34 @@ def test_every_option_of_launch_is_described_and_in_the_readme(monkeypatch):
         assert f"| `{flag}" in readme or f"`, `{flag}" in readme, f"{flag} is not in the README"
     text = launch_parser().format_help()
     assert "(default: 1024)" in text and "(default: tcp://127.0.0.1:5555)" in text
+
+
+def subcommand(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def test_chat_offers_no_options_that_make_no_sense_for_one_streamed_reply():
+    flags = {f for a in subcommand("chat")._actions for f in a.option_strings}
+    assert "-n" not in flags and "--stream" not in flags and "--json" not in flags
+    assert "-n" in {f for a in subcommand("generate")._actions for f in a.option_strings}
+
+
+def test_an_endpoint_without_transport_means_tcp():
+    args = build_parser().parse_args(["status", "--endpoint", "localhost:17999,10.0.0.2:5555"])
+    assert args.endpoint == "tcp://localhost:17999,tcp://10.0.0.2:5555"
+
+
+def test_a_bad_client_endpoint_is_refused_naming_the_flag_and_the_form():
+    r = run_cli("status", "--endpoint", "localhost")
+    assert r.returncode == 2
+    assert "argument --endpoint: 'localhost' is not an endpoint: give tcp://HOST:PORT" in (
+        r.stderr), r.stderr
+
+
+def test_an_unreadable_api_key_file_is_named_with_its_flag(tmp_path):
+    missing = tmp_path / "nonexistent"
+    r = run_cli("launch", "--api-key-file", str(missing))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"siding: error: --api-key-file {missing}: cannot read it: No such file" in (
+        r.stderr), r.stderr
