@@ -11,6 +11,7 @@ import sys
 import threading
 from dataclasses import asdict, fields
 
+from protocol.help_formatter import HelpFormatter
 from protocol.worker_config import DTYPES, KV_MODES, OVERLAP, WorkerConfig
 
 from .config import is_endpoint
@@ -103,24 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = command("bench", help="benchmarks; results under bench-results/",
                            description="run a benchmark scenario (a module of `benchmarks`): "
                            "decode, ...; `siding bench SCENARIO --help` lists its options")
-    bench.add_argument("scenario")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.add_argument("scenario", help="the benchmark to run (decode, serve, prefix, ...)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the scenario's own options")
     bench.set_defaults(func=cmd_bench)
 
     keys = command("keys", help="write CURVE key pairs for non-loopback binds")
     keys.add_argument("dir", help="the directory to write them to")
     keys.set_defaults(func=cmd_keys)
     return p
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each option's default after its help, except where there is nothing to say."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if any(action.default is x for x in (None, False, True, argparse.SUPPRESS)) or (
-                "%(default)" in (action.help or "")):
-            return action.help or ""
-        return super()._get_help_string(action)
 
 
 def _endpoint(p: argparse.ArgumentParser) -> None:

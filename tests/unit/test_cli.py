@@ -134,3 +134,51 @@ def test_an_unreadable_api_key_file_is_named_with_its_flag(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert f"siding: error: --api-key-file {missing}: cannot read it: No such file" in (
         r.stderr), r.stderr
+
+
+class Parsed(Exception):
+    """Raised in place of parsing, carrying the parser a command built."""
+
+
+def scenario_parser(name: str, monkeypatch) -> argparse.ArgumentParser:
+    from benchmarks.__main__ import scenario
+
+    def capture(parser, *args, **kwargs):
+        raise Parsed(parser)
+
+    with monkeypatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", capture)
+        with pytest.raises(Parsed) as parsed:
+            scenario(name).main([])
+    return parsed.value.args[0]
+
+
+def every_parser(monkeypatch) -> dict[str, argparse.ArgumentParser]:
+    from benchmarks.__main__ import scenarios
+    from worker.process import build_parser as worker_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = {"siding": build_parser(), "siding worker": worker_parser()}
+    parsers.update({f"siding {name}": p for name, p in sub.choices.items() if name != "worker"})
+    parsers.update({f"siding bench {name}": scenario_parser(name, monkeypatch)
+                    for name in scenarios()})
+    return parsers
+
+
+def test_every_option_of_every_command_is_described_with_its_default(monkeypatch):
+    undescribed, no_default = [], []
+    for command, parser in every_parser(monkeypatch).items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS or isinstance(
+                    action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            name = f"{command} {(action.option_strings or [action.dest])[0]}"
+            if not action.help:
+                undescribed.append(name)
+            elif action.option_strings and action.default not in (
+                    None, True, False, "", argparse.SUPPRESS) and "(default" not in (
+                    formatter._get_help_string(action)):
+                no_default.append(name)
+    assert undescribed == [], undescribed
+    assert no_default == [], no_default
