@@ -464,9 +464,14 @@ def status_table(s: dict) -> str:
     def counts(d: dict) -> str:
         return "   ".join(f"{k} {v}" for k, v in d.items() if v) or "none"
 
+    expected, registered = s["workers_expected"], s["workers_registered"]
+    workers = f"workers up {s['workers_up']} of {expected}" + (
+        f" ({registered} registered, {expected - registered} awaited)"
+        if registered < expected else "")
+    if s["layers"]["total"]:
+        workers += f"   layers up {s['layers']['up']} of {s['layers']['total']}"
     lines = [
-        f"model      {s['model']}   exact mode {'on' if s['exact'] else 'off'}   "
-        f"workers up {s['workers_up']} of {len(s['workers'])}",
+        f"model      {s['model']}   exact mode {'on' if s['exact'] else 'off'}   {workers}",
         f"requests   running {reqs['running']}   waiting {reqs['waiting']}   "
         f"parked {reqs['parked']}",
         f"finished   {counts(s['finished'])}",
@@ -483,8 +488,8 @@ def status_table(s: dict) -> str:
         f"{'rank':>4}  {'device':<8} {'layers':<10} {'pid':>8}  {'host':<16} {'state':<6} forward",
     ]
     for w in s["workers"]:
-        layers = f"{w['layers'][0]}-{w['layers'][1] - 1}"
-        state = "up" if w["alive"] else "down"
+        layers = f"{w['layers'][0]}-{w['layers'][1] - 1}" if w["ready"] else "-"
+        state = "down" if not w["alive"] else "up" if w["ready"] else "load"
         lines.append(f"{w['rank']:>4}  {w['device']:<8} {layers:<10} {w['pid']:>8}  "
                      f"{w['host'][:16]:<16} {state:<6} {_seconds(w['forward_seconds_mean'])}")
     return "\n".join(lines)
