@@ -282,6 +282,10 @@ def cmd_launch(args: argparse.Namespace) -> None:
     from .engine import EngineCore
 
     config = config_from_args(args)
+    if config.spawn_workers and config.workers > 1:  # refused here, not by each of N workers
+        from worker.loaders import check_split, layer_count
+
+        check_split(config.worker.model, layer_count(config.worker.model), config.workers)
     if args.write_prometheus_config and not config.metrics_port:
         raise ValueError("--write-prometheus-config needs the metrics on (--metrics-port P)")
     stop, now, serving = threading.Event(), threading.Event(), threading.Event()

@@ -84,6 +84,12 @@ def test_a_cluster_that_is_not_running_is_answered_in_seconds_with_a_hint(comman
         r.stderr), r.stderr
 
 
+def test_more_workers_than_layers_are_refused_before_any_process_starts():
+    r = run_cli("launch", "--model", "synthetic:tiny", "--workers", "5")
+    assert r.returncode == 1 and r.stderr == (
+        "siding: error: --workers 5: synthetic:tiny has 4 layers; at most 4 workers\n")
+
+
 def launch_parser() -> argparse.ArgumentParser:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices["launch"]
