@@ -34,6 +34,8 @@ from array import array
 from pathlib import Path
 from typing import Any
 
+from protocol.help_formatter import HelpFormatter
+
 from .report import (
     Series,
     Spread,
@@ -55,14 +57,14 @@ COLD_BYTES = 64 << 20
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="siding bench core-step", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--streams", default="32,128,256", help="decoding sequences, comma-separated")
-    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=400, help="decode steps timed a round")
     p.add_argument("--prefix", type=int, default=2000, help="cached tokens of a request")
     p.add_argument("--question", type=int, default=24, help="its tokens after the prefix")
     p.add_argument("--requests", type=int, default=100, help="cached requests timed a round")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5, help="rounds, each arm timed in turn")
     p.add_argument("--baseline", metavar="DIR", default=None,
                    help="another checkout, measured in turn with this one")
     p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")

@@ -22,6 +22,7 @@ import torch
 
 from coordinator.config import threads_per_worker
 from coordinator.local_cluster import LocalCluster, checkout_env
+from protocol.help_formatter import HelpFormatter
 from worker.build import resolve_dtype
 from worker.loaders import DEFAULT_MODEL, resolve
 from worker.model import ModelArgs
@@ -256,15 +257,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="siding bench decode",
         description="decode tokens/s against batch size: siding, transformers, roofline",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help="any `siding launch --model` spec")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N (or one per worker, commas)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="as `siding launch --dtype`")
     p.add_argument("--batch-sizes", type=batch_sizes, default="1,8", help="e.g. 1,8,32")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--tokens", type=int, default=64, help="generated tokens per sequence")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each batch size")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (layer split)")
     p.add_argument("--kv", default="device", choices=["device", "host"],
                    help="where the workers keep KV pages (`siding launch --kv`)")
     p.add_argument("--pipeline-depth", type=int, default=1,

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from protocol.help_formatter import HelpFormatter
 from worker import cuda_driver
 
 from .report import format_table
@@ -396,10 +397,11 @@ def positive(text: str) -> int:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.driver_calls",
-                                description=__doc__.split("\n\n")[0])
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="the JSON record's path")
     p.add_argument("--calls", type=positive, default=20000, help="calls per round")
-    p.add_argument("--rounds", type=positive, default=5)
+    p.add_argument("--rounds", type=positive, default=5, help="timed rounds")
     return p.parse_args(argv)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from coordinator.local_cluster import LocalCluster
 from protocol import AsyncClient
+from protocol.help_formatter import HelpFormatter
 from worker.build import resolve_dtype
 from worker.loaders import resolve
 
@@ -92,17 +93,20 @@ def run_batch(endpoint: str, prompts: list[list[int]], tokens: int, arm: str, rn
 def parse_args(argv: list[str]) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog="siding bench exact",
-                                description="exact mode against default mode, and identity")
-    p.add_argument("--model", default="synthetic:llama-1b" if cuda else "smollm2-135m")
-    p.add_argument("--device", default="cuda:0" if cuda else "cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+                                description="exact mode against default mode, and identity",
+                                formatter_class=HelpFormatter)
+    p.add_argument("--model", default="synthetic:llama-1b" if cuda else "smollm2-135m",
+                   help="any `siding launch --model` spec")
+    p.add_argument("--device", default="cuda:0" if cuda else "cpu", help="cpu or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="as `siding launch --dtype`")
     p.add_argument("--concurrency", type=batch_sizes, default="1,4,32", help="e.g. 1,4,32")
     # On a GPU 64 tokens at 4 sequences are timed over about 0.3 s, where one stall of the host
     # moves a round by a third (docs/exact-mode.md): time longer there, and more rounds.
     p.add_argument("--tokens", type=int, default=256 if cuda else 64,
                    help="generated tokens per sequence")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
-    p.add_argument("--rounds", type=int, default=5 if cuda else 3)
+    p.add_argument("--rounds", type=int, default=5 if cuda else 3, help="timed rounds of each arm")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="both clusters run decode steps eagerly (`siding launch` flag)")
     p.add_argument("--out", default="bench-results",

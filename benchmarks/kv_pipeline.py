@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from coordinator.page_allocator import pages_for
+from protocol.help_formatter import HelpFormatter
 from protocol.messages import SeqPlan, Step
 from worker.attention import choose_attention
 from worker.cuda_graphs import StepGraphs
@@ -168,11 +169,12 @@ class Arm:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog="siding bench kv-pipeline", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default="synthetic:llama-1b" if cuda else "synthetic:smollm2-135m",
                    help="any --model spec (synthetic shapes need no checkpoint)")
-    p.add_argument("--device", default="cuda:0" if cuda else "cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    p.add_argument("--device", default="cuda:0" if cuda else "cpu", help="cpu or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="as `siding launch --dtype`")
     p.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768" if cuda
                    else "256,1024,2048", help="context lengths, comma-separated")
     p.add_argument("--depths", default="1,2,4", help="pipelined depths, comma-separated")
@@ -182,9 +184,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the most layers a ring slot holds, comma-separated: each value adds an "
                    "arm per depth, named 'depth N xG', beside the default slots")
     p.add_argument("--steps", type=int, default=16, help="decode steps per arm per round")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds of every arm")
     p.add_argument("--warmup", type=int, default=4, help="decode steps per arm before timing")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--ring-budget-mib", type=int, default=512, help="as `siding launch`")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--transport-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -196,7 +198,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "token still on the device, before the host reads it (greedy)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly, as `siding launch --no-cuda-graphs`")
-    p.add_argument("--out", default="bench-results")
+    p.add_argument("--out", default="bench-results", help="directory for the results")
     a = p.parse_args(argv)
     a.contexts = [int(x) for x in a.contexts.split(",")]
     a.depths = [int(x) for x in a.depths.split(",")]

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from protocol.help_formatter import HelpFormatter
 from worker.build import resolve_dtype
 from worker.exact import exact_linear
 from worker.loaders import resolve
@@ -116,7 +117,8 @@ def row_identity(linear: Linear, shapes: list[tuple[str, int, int]], rows: list[
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="siding bench matmul", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="siding bench matmul", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default="smollm2-135m",
                    help="a model spec; only its shape is used (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N (default: %(default)s)")

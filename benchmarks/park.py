@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from protocol.help_formatter import HelpFormatter
 from worker.attention import choose_attention
 from worker.kv.device_pool import KVPool
 from worker.kv.park_store import ParkStore
@@ -35,14 +36,17 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="siding bench park", description=__doc__)
+    p = argparse.ArgumentParser(prog="siding bench park", description=__doc__,
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default="synthetic:llama-1b", help="only its shape is used")
-    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
+                   help="cpu or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="as `siding launch --dtype`")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--pages", default="16,64,256,1024", help="pages parked at once")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default="bench-results")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of each point")
+    p.add_argument("--out", default="bench-results", help="directory for the results")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     dtype = DTYPES.get(a.dtype, torch.float32 if device.type == "cpu" else torch.bfloat16)

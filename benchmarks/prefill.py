@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from protocol.help_formatter import HelpFormatter
 from protocol.messages import SeqPlan, Step
 from worker.attention import choose_attention
 from worker.build import resolve_dtype
@@ -119,16 +120,19 @@ class HFArm:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="siding bench prefill", description=__doc__)
+    p = argparse.ArgumentParser(prog="siding bench prefill", description=__doc__,
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default="synthetic:llama-1b", help="any `siding launch --model`")
-    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
+                   help="cpu or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="as `siding launch --dtype`")
     p.add_argument("--shapes", type=shapes, default="8x512,32x512,1x16384",
                    help="BATCHxLENGTH prompts prefilled in one step, comma-separated")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of each shape")
     p.add_argument("--exact", action="store_true", help="siding in exact mode")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
-    p.add_argument("--out", default="bench-results")
+    p.add_argument("--out", default="bench-results", help="directory for the results")
     a = p.parse_args(argv)
     if a.repeats < 1:
         p.error("--repeats must be at least 1")

@@ -27,6 +27,7 @@ from typing import Any
 
 from coordinator.local_cluster import LocalCluster
 from protocol import AsyncClient
+from protocol.help_formatter import HelpFormatter
 from worker.loaders import resolve
 
 from .decode import LOWEST_PROMPT_ID
@@ -52,7 +53,7 @@ IDLE_PAUSE_S = 0.2  # before a request timed alone: longer than a step
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="siding bench prefix", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="any `siding launch --model` spec")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--dtype", default="auto", help="as `siding launch --dtype`")
@@ -60,7 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--questions", type=int, default=64, help="distinct questions after it")
     p.add_argument("--turns", type=int, default=8, help="turns of the chat")
     p.add_argument("--tokens", type=int, default=16, help="tokens generated per request")
-    p.add_argument("--kv-pages", type=int, default=4096)
+    p.add_argument("--kv-pages", type=int, default=4096, help="as `siding launch --kv-pages`")
     p.add_argument("--extra", default="", help="more `siding launch` flags, one string")
     p.add_argument("--out", default="bench-results",
                    help="directory for the JSON, the PNG and each cluster's log")

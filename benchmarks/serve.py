@@ -68,6 +68,7 @@ from coordinator.config import threads_per_worker
 from coordinator.local_cluster import LocalCluster, checkout_env
 from coordinator.prometheus_config import free_metrics_port, worker_ports
 from protocol.busy_poll import busy_seconds
+from protocol.help_formatter import HelpFormatter
 from worker.build import resolve_dtype
 from worker.loaders import DEFAULT_MODEL, resolve
 
@@ -210,11 +211,12 @@ def api_list(text: str) -> list[str]:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="siding bench serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help="any `siding launch --model` spec")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N (or one per worker, commas)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="as `siding launch --dtype`")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (layer split)")
     p.add_argument("--worker-threads", type=int, default=0,
                    help="torch threads per worker and in-process (0: the cores shared out)")
     p.add_argument("--frontends", type=int, default=1, help="`siding launch --frontends`")
@@ -225,7 +227,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--api", type=api_list, default="zmq",
                    help="zmq (siding's client), http (the OpenAI API through the `openai` "
                    "client), or both, comma-separated: each on the same cluster, point by point")
-    p.add_argument("--mode", default="closed", choices=["closed", "open"])
+    p.add_argument("--mode", default="closed", choices=["closed", "open"],
+                   help="closed: clients send the next request when one ends; open: at --rate")
     p.add_argument("--concurrency", type=positive_list(int), default="16,64",
                    help="closed loop: concurrent clients, comma-separated")
     p.add_argument("--rate", type=positive_list(float), default=None,
@@ -235,11 +238,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--requests-per-client", type=int, default=None,
                    help="closed loop: stop each client after this many requests past the "
                    "warm-up instead of after --duration")
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
     p.add_argument("--len-dist", default="fixed", choices=["fixed", "uniform"],
                    help="uniform: each length in [len/2, 3*len/2]")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths")
     p.add_argument("--streams-per-socket", type=int, default=1,
                    help="closed loop, zmq: streams of a client process sharing one AsyncClient "
                    "(as an application multiplexes them); 1: a socket each")

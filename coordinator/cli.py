@@ -11,7 +11,10 @@ import sys
 import threading
 from dataclasses import asdict, fields
 
+from protocol.help_formatter import HelpFormatter
 from protocol.worker_config import DTYPES, KV_MODES, OVERLAP, WorkerConfig
+
+from .config import is_endpoint
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -77,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the text to complete (with --system: a user message)")
     _endpoint(gen)
     _sampling_args(gen)
+    gen.add_argument("-n", type=int, default=1, help="completions of the prompt")
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
     gen.add_argument("--json", action="store_true", help="print the whole result as JSON")
     gen.set_defaults(func=cmd_generate)
@@ -100,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = command("bench", help="benchmarks; results under bench-results/",
                            description="run a benchmark scenario (a module of `benchmarks`): "
                            "decode, ...; `siding bench SCENARIO --help` lists its options")
-    bench.add_argument("scenario")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.add_argument("scenario", help="the benchmark to run (decode, serve, prefix, ...)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the scenario's own options")
     bench.set_defaults(func=cmd_bench)
 
     keys = command("keys", help="write CURVE key pairs for non-loopback binds")
@@ -110,24 +114,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each option's default after its help, except where there is nothing to say."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if any(action.default is x for x in (None, False, True, argparse.SUPPRESS)) or (
-                "%(default)" in (action.help or "")):
-            return action.help or ""
-        return super()._get_help_string(action)
-
-
 def _endpoint(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--endpoint", default=DEFAULT_ENDPOINT,
-                   help="the cluster's client endpoint (what `siding launch` printed as ready)")
+    p.add_argument("--endpoint", type=endpoints, default=DEFAULT_ENDPOINT,
+                   help="the cluster's client endpoint (what `siding launch` printed as ready): "
+                   "tcp://HOST:PORT, HOST:PORT or ipc:///path; a comma-separated list takes one")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for the whole request (a server that sends nothing at "
                    "all for 3 s is reported gone at once)")
     p.add_argument("--curve-keys", default=None,
                    help="CURVE keys directory, for a cluster started with --curve-keys")
+
+
+def endpoints(text: str) -> str:
+    """`--endpoint`: endpoints, comma-separated; HOST:PORT means tcp://HOST:PORT."""
+    given = [e.strip() for e in text.split(",")]
+    full = [e if "://" in e else f"tcp://{e}" for e in given]
+    for e, f in zip(given, full):
+        if not is_endpoint(f):
+            raise argparse.ArgumentTypeError(
+                f"{e!r} is not an endpoint: give tcp://HOST:PORT, HOST:PORT or ipc:///path")
+    return ",".join(full)
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 64) -> None:
@@ -139,7 +145,6 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 64) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
     p.add_argument("--seed", type=int, default=None,
                    help="sampling seed: the same seed gives the same tokens")
-    p.add_argument("-n", type=int, default=1, help="completions of the prompt")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end a completion at this text (may be given several times)")
     p.add_argument("--ignore-eos", action="store_true",
@@ -265,7 +270,11 @@ def _api_key(args: argparse.Namespace) -> str | None:
     if args.api_key_file is not None:
         from pathlib import Path
 
-        return Path(args.api_key_file).read_text().strip()
+        try:
+            return Path(args.api_key_file).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it: "
+                             f"{e.strerror}") from None
     return args.api_key
 
 
@@ -273,6 +282,10 @@ def cmd_launch(args: argparse.Namespace) -> None:
     from .engine import EngineCore
 
     config = config_from_args(args)
+    if config.spawn_workers and config.workers > 1:  # refused here, not by each of N workers
+        from worker.loaders import check_split, layer_count
+
+        check_split(config.worker.model, layer_count(config.worker.model), config.workers)
     if args.write_prometheus_config and not config.metrics_port:
         raise ValueError("--write-prometheus-config needs the metrics on (--metrics-port P)")
     stop, now, serving = threading.Event(), threading.Event(), threading.Event()
@@ -348,7 +361,7 @@ def _client(args: argparse.Namespace):
 
 def _sampling(args: argparse.Namespace) -> dict:
     return {"max_tokens": args.max_tokens, "temperature": args.temperature,
-            "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "n": args.n,
+            "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
             "stop": args.stop, "ignore_eos": args.ignore_eos}
 
 
@@ -365,7 +378,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
                 print(chunk.text, end="", flush=True)
             print()
             return
-        r = c.generate(**prompt, **_sampling(args))
+        r = c.generate(**prompt, n=args.n, **_sampling(args))
     if args.json:
         print(json.dumps({"request_id": r.request_id, "text": r.text, "token_ids": r.token_ids,
                           "finish_reason": r.finish_reason, "usage": r.usage,
@@ -382,19 +395,18 @@ CHAT_HELP = """commands:
   /help           this list
   /reset          forget the conversation (the system prompt stays)
   /system [TEXT]  set the system prompt (none: clear it), and start over
-  /exit           leave (Ctrl-D too)"""
+  /exit           leave (Ctrl-D, or Ctrl-C at the prompt, too)
+Ctrl-C during a reply stops it; what it said so far stays in the conversation."""
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
-    if args.n > 1:
-        raise ValueError("chat streams one reply; -n must be 1")
     system = args.system
     messages: list[dict] = []
     with _client(args) as c:
         while True:
             try:
                 line = input("> ")
-            except EOFError:
+            except (EOFError, KeyboardInterrupt):  # Ctrl-D, or Ctrl-C with no reply to stop
                 print()
                 return
             if not line.strip():
@@ -416,14 +428,27 @@ def cmd_chat(args: argparse.Namespace) -> None:
             if command.startswith("/"):
                 print(f"unknown command {command}; /help lists them")
                 continue
-            messages.append({"role": "user", "content": line})
             head = [{"role": "system", "content": system}] if system else []
-            reply = []
-            for chunk in c.chat_stream(head + messages, **_sampling(args)):
-                print(chunk.text, end="", flush=True)
-                reply.append(chunk.text)
-            print()
-            messages.append({"role": "assistant", "content": "".join(reply)})
+            reply = _chat_reply(c, head + messages + [{"role": "user", "content": line}], args)
+            if reply:  # an empty one (stopped before it said anything): as if never asked
+                messages += [{"role": "user", "content": line},
+                             {"role": "assistant", "content": reply}]
+
+
+def _chat_reply(c, messages: list[dict], args: argparse.Namespace) -> str:
+    """Stream a reply to the terminal; Ctrl-C stops it (the request is aborted) and what was
+    shown stays the reply."""
+    shown = []
+    stream = c.chat_stream(messages, **_sampling(args))
+    try:
+        for chunk in stream:
+            print(chunk.text, end="", flush=True)
+            shown.append(chunk.text)
+        print()
+    except KeyboardInterrupt:
+        stream.close()
+        print("\n(reply stopped)", flush=True)
+    return "".join(shown)
 
 
 def cmd_status(args: argparse.Namespace) -> None:
@@ -443,9 +468,14 @@ def status_table(s: dict) -> str:
     def counts(d: dict) -> str:
         return "   ".join(f"{k} {v}" for k, v in d.items() if v) or "none"
 
+    expected, registered = s["workers_expected"], s["workers_registered"]
+    workers = f"workers up {s['workers_up']} of {expected}" + (
+        f" ({registered} registered, {expected - registered} awaited)"
+        if registered < expected else "")
+    if s["layers"]["total"]:
+        workers += f"   layers up {s['layers']['up']} of {s['layers']['total']}"
     lines = [
-        f"model      {s['model']}   exact mode {'on' if s['exact'] else 'off'}   "
-        f"workers up {s['workers_up']} of {len(s['workers'])}",
+        f"model      {s['model']}   exact mode {'on' if s['exact'] else 'off'}   {workers}",
         f"requests   running {reqs['running']}   waiting {reqs['waiting']}   "
         f"parked {reqs['parked']}",
         f"finished   {counts(s['finished'])}",
@@ -462,8 +492,8 @@ def status_table(s: dict) -> str:
         f"{'rank':>4}  {'device':<8} {'layers':<10} {'pid':>8}  {'host':<16} {'state':<6} forward",
     ]
     for w in s["workers"]:
-        layers = f"{w['layers'][0]}-{w['layers'][1] - 1}"
-        state = "up" if w["alive"] else "down"
+        layers = f"{w['layers'][0]}-{w['layers'][1] - 1}" if w["ready"] else "-"
+        state = "down" if not w["alive"] else "up" if w["ready"] else "load"
         lines.append(f"{w['rank']:>4}  {w['device']:<8} {layers:<10} {w['pid']:>8}  "
                      f"{w['host'][:16]:<16} {state:<6} {_seconds(w['forward_seconds_mean'])}")
     return "\n".join(lines)

@@ -17,6 +17,13 @@ def threads_per_worker(workers: int) -> int:
     return max(1, (cores or 1) // workers)
 
 
+def is_endpoint(endpoint: str) -> bool:
+    """tcp://HOST:PORT or ipc://PATH, the forms siding binds and connects."""
+    transport, sep, address = endpoint.partition("://")
+    return bool(sep and address and transport in ("tcp", "ipc") and (
+        transport == "ipc" or ":" in address))
+
+
 @dataclass
 class CoordinatorConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
@@ -80,11 +87,8 @@ class CoordinatorConfig:
              "--api-key must be non-empty, without surrounding whitespace")
         for flag, endpoint in [("--worker-listen", self.worker_listen),
                                *(("--listen", e) for e in self.listen.split(","))]:
-            transport, sep, address = endpoint.partition("://")
-            need(sep and address and transport in ("tcp", "ipc") and (
-                transport == "ipc" or ":" in address),
-                 f"{flag} {endpoint!r}: give an endpoint such as tcp://127.0.0.1:5555 "
-                 "(or ipc:///path)")
+            need(is_endpoint(endpoint), f"{flag} {endpoint!r}: give an endpoint such as "
+                 "tcp://127.0.0.1:5555 (or ipc:///path)")
         given = self.listen.split(",")
         need(len(given) <= self.frontends,
              f"--listen names {len(given)} endpoints for {self.frontends} frontend(s)")

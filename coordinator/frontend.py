@@ -258,6 +258,7 @@ class Frontend:
             if out is not None:
                 touched.pop(f.key, None)
                 self.by_client.pop((out.client, out.msg.request_id), None)
+                self._log_cut_short(out, f"{f.code} ({f.message})")
                 self._send(out.client, Error(code=f.code, message=f.message,
                                              request_id=out.msg.request_id))
         self._emit(touched.values())
@@ -295,6 +296,11 @@ class Frontend:
     def _forget(self, out: RequestOutput) -> None:
         self.requests.pop(out.key, None)
         self.by_client.pop((out.client, out.msg.request_id), None)
+
+    def _log_cut_short(self, out: RequestOutput, why: str) -> None:
+        """An aborted or failed request's line, beside the finished ones' (`_emit`)."""
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s", out.log_line(time.monotonic(), why))
 
     def _rejected(self) -> None:
         self.rejected += 1
@@ -341,8 +347,10 @@ class Frontend:
         elif isinstance(msg, Abort):
             key = self.by_client.get((identity, msg.request_id))
             if key is not None:
-                self._forget(self.requests[key])
+                out = self.requests[key]
+                self._forget(out)
                 self._to_core(Cancel(key=key, reason="abort"))
+                self._log_cut_short(out, "aborted (by the client)")
             if key is not None or self.prompts.cancel(identity, msg.request_id):
                 self._send(identity, Error(code=ErrorCode.ABORTED.value,
                                            message="aborted by the client",
@@ -411,6 +419,7 @@ class Frontend:
             for out in [o for o in self.requests.values() if o.client == identity]:
                 self._forget(out)
                 self._to_core(Cancel(key=out.key, reason="abort"))
+                self._log_cut_short(out, "aborted (the client went away)")
             self.prompts.cancel(identity)
             log.info("client %s went away; its requests were aborted", identity.hex())
 

@@ -111,14 +111,15 @@ class RequestOutput:
             c.sent_tokens, c.final_sent = len(c.token_ids), done
         return out
 
-    def log_line(self, now: float) -> str:
-        """The request log's line for it, once done."""
+    def log_line(self, now: float, cut_short: str | None = None) -> str:
+        """The request log's line for it, once done, or once `cut_short` (why it ended early:
+        `aborted (by the client)`, ...) in place of its choices' finish reasons."""
         ttft = "-" if self.first_token_at is None else f"{self.first_token_at - self.arrival:.3f}s"
         c = self.choices
+        ended = cut_short or ",".join(x.finish_reason or "-" for x in c)
         return (f"request {self.msg.request_id}: {len(self.prompt_ids)} prompt + "
                 f"{sum(len(x.token_ids) for x in c)} output tokens, ttft {ttft}, "
-                f"{now - self.arrival:.3f}s, {','.join(x.finish_reason or '-' for x in c)}, "
-                f"{sum(x.preemptions for x in c)} preemptions")
+                f"{now - self.arrival:.3f}s, {ended}, {sum(x.preemptions for x in c)} preemptions")
 
     def result(self) -> Result:
         return Result(

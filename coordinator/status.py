@@ -28,6 +28,9 @@ def cluster_status(config: CoordinatorConfig, model: ModelInfo | None, scheduler
         "exact": config.worker.exact,
         "workers": described,
         "workers_up": workers.n_up,
+        "workers_expected": config.workers,
+        "workers_registered": workers.n_registered,  # fewer than expected: (re)grouping
+        "layers": {"up": workers.layers_up, "total": model.n_layers if model else None},
         "failed": outage_reason,  # why the cluster cannot serve, if it cannot
         "draining": draining,
         "frontends": frontends.describe(),

@@ -263,9 +263,19 @@ class WorkerGroup:
     def n_up(self) -> int:
         return sum(h.alive and h.ready for h in self.handles)
 
+    @property
+    def n_registered(self) -> int:
+        """Workers this handshake has heard from (while regrouping, those that came back)."""
+        return len(self.handles) or len(self.pending)
+
+    @property
+    def layers_up(self) -> int:
+        return sum(h.layers[1] - h.layers[0] for h in self.handles if h.alive and h.ready)
+
     def describe(self) -> list[dict]:
         return [{"rank": h.rank, "device": h.reg.device, "pid": h.reg.pid,
                  "host": h.reg.hostname, "layers": list(h.layers), "alive": h.alive,
+                 "ready": h.ready,
                  "data_endpoint": h.reg.data_endpoint,
                  "forward_seconds_mean": h.forward[0] / h.forward[1] if h.forward[1] else None}
                 for h in self.handles]

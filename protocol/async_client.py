@@ -116,7 +116,7 @@ class AsyncClient(ClientBase):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
         self._replies.fail_all(ErrorCode.INTERNAL, "the client was closed")
-        self._socket.close(linger=0)
+        self._close_sockets()
 
     async def __aenter__(self) -> AsyncClient:
         return self

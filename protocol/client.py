@@ -29,11 +29,15 @@ from .messages import (
     StatusReply,
 )
 from .schema import from_header
-from .security import secure_client
+from .security import is_loopback, secure_client
 from .wire import MAX_MESSAGE_BYTES, decode, encode, token_ids
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 SILENCE_SECONDS = 3.0  # a server sends keepalives every second; this long without any, it is gone
+# A peer that took the connection and then the handshake failed: a CURVE server hangs up on a
+# client without keys (NO_DETAIL), or says why (PROTOCOL: mechanism mismatch; AUTH: bad key).
+HANDSHAKE_REFUSED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 _clients = itertools.count()
 
@@ -214,8 +218,12 @@ class ClientBase:
         self.silence_timeout = silence_timeout
         self._last_heard = 0.0  # time.monotonic() of the server's last message
         self._replies = Replies(new_queue)
+        self._keyed = curve_keys_dir is not None or curve_server_key is not None
         socket = context.socket(zmq.DEALER)
         socket.linger = 0
+        # where a refused handshake (CURVE on one side only, keys the server does not take)
+        # is heard of
+        monitor = socket.get_monitor_socket(HANDSHAKE_REFUSED)
         try:
             socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             # A send blocks while no peer takes it (nothing listening, or a refused CURVE
@@ -227,14 +235,18 @@ class ClientBase:
                 secure_client(socket, curve_keys_dir, curve_server_key)
             socket.connect(endpoint)
         except (ValueError, zmq.ZMQError):
+            monitor.close()
             socket.close()
             raise
         self._socket = socket
+        self._monitor = monitor
         # A blocking-API view of the same socket, for aborts sent from `finally` blocks (also of
         # a cancelled task), which must neither await nor block.
         self._plain_socket = zmq.Socket.shadow(socket.underlying)
 
     def _no_reply(self, key: str | None) -> RequestError:
+        if refused := self._refused(key):
+            return refused
         return RequestError(
             ErrorCode.TIMEOUT, f"no reply from {self.endpoint} within {self.timeout:g}s (the "
             "client's timeout; the request was aborted)", key
@@ -247,12 +259,28 @@ class ClientBase:
             return self._silent(key)
         return self._no_reply(key)
 
+    def _refused(self, key: str | None) -> RequestError | None:
+        """The error of a client whose handshake the server refused, if it was; a refused
+        socket stays silent, as one where nothing listens does."""
+        if self._last_heard or not zmq.Socket.shadow(self._monitor.underlying).poll(0):
+            return None
+        why = ("it may not use CURVE, or not accept this client's keys" if self._keyed else
+               "it may require CURVE keys: give --curve-keys DIR (the library's curve_keys_dir), "
+               "the cluster's keys")
+        return RequestError(ErrorCode.UNAVAILABLE, f"the server at {self.endpoint} took the "
+                            f"connection but not this client's handshake: {why}", key)
+
     def _silent(self, key: str | None) -> RequestError:
+        if refused := self._refused(key):
+            return refused
         if not self._last_heard:
+            keys = "" if self._keyed or is_loopback(self.endpoint) else (
+                " (a cluster that uses CURVE keys answers only a client given them: "
+                "--curve-keys DIR)")
             return RequestError(
                 ErrorCode.UNAVAILABLE, f"no server answers at {self.endpoint} (nothing heard for "
                 f"{self.silence_timeout:g}s): is a cluster running? Start one with "
-                "`siding launch`", key)
+                f"`siding launch`{keys}", key)
         return RequestError(
             ErrorCode.UNAVAILABLE, f"lost the server at {self.endpoint}: nothing heard from it, "
             f"not even a keepalive, for {self.silence_timeout:g}s", key
@@ -266,6 +294,11 @@ class ClientBase:
         if self.silence_timeout is not None:
             gone = max(started, self._last_heard) + self.silence_timeout
         return deadline, gone
+
+    def _close_sockets(self) -> None:
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self._socket.close(linger=0)
 
     def _malformed(self, error: ProtocolError) -> str:
         return f"malformed reply from {self.endpoint}: {error.message}"
@@ -345,7 +378,7 @@ class Client(ClientBase):
             return self._next(None).status
 
     def close(self) -> None:
-        self._socket.close(linger=0)
+        self._close_sockets()
 
     def __enter__(self) -> Client:
         return self

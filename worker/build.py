@@ -20,7 +20,7 @@ from .kv.device_pool import KVPool
 from .kv.host_pool import HostKVPool
 from .kv.park_store import ParkStore
 from .kv.transport import make_transport
-from .loaders import ModelSource, resolve
+from .loaders import ModelSource, check_split, resolve
 from .metrics import WorkerMetrics
 from .runner import ModelRunner
 
@@ -62,9 +62,7 @@ def build(config: WorkerConfig, rank: int, n_workers: int, device: str,
     c = config
     source = resolve(c.model)
     args = source.args
-    if n_workers > args.n_layers:
-        raise ValueError(f"--workers {n_workers} is more than the {args.n_layers} layers of "
-                         f"{source.name}: each worker needs one at least")
+    check_split(source.name, args.n_layers, n_workers)
     start, end = layers or layer_range(args.n_layers, n_workers, rank)
     dtype = resolve_dtype(c.dtype, device)
     page_bytes = 2 * (end - start) * c.page_size * args.n_kv_heads * args.head_dim * (

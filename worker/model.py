@@ -8,7 +8,6 @@ the caller passes in, which stores the new rows and attends, so paging and kerne
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -16,49 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from worker.kernels import triton_module
-from worker.rope import LLAMA3_KEYS, Rope, apply_rope
-
-
-@dataclass
-class ModelArgs:
-    n_layers: int
-    dim: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_dim: int
-    vocab_size: int
-    rope_theta: float
-    rms_eps: float
-    max_context: int
-    qkv_bias: bool = False
-    tie_embeddings: bool = False
-    # None, Llama 3 style (factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings), or {"freq_factors": [head_dim // 2 divisors of the
-    # frequencies]} (llama.cpp's rope_freqs tensor; linear scaling).
-    rope_scaling: dict | None = None
-    q_dim: int = field(init=False)
-    kv_dim: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
-        scaling = self.rope_scaling
-        if scaling is not None and "freq_factors" in scaling:
-            if len(scaling["freq_factors"]) != self.head_dim // 2:
-                raise ValueError(f"rope_scaling needs {self.head_dim // 2} freq_factors")
-        elif scaling is not None:
-            missing = [key for key in LLAMA3_KEYS if key not in scaling]
-            if missing:
-                raise ValueError(
-                    f"rope_scaling {scaling} lacks {missing}; only Llama 3 scaling is supported"
-                )
-        self.q_dim = self.n_heads * self.head_dim
-        self.kv_dim = self.n_kv_heads * self.head_dim
+from worker.model_args import ModelArgs
+from worker.rope import Rope, apply_rope
 
 
 class LayerKV(Protocol):

@@ -30,6 +30,7 @@ import zmq
 from protocol import security
 from protocol.busy_poll import BusyPoller
 from protocol.errors import ProtocolError
+from protocol.help_formatter import HelpFormatter
 from protocol.messages import (
     Activations,
     Assign,
@@ -288,20 +289,23 @@ class Worker:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="siding worker", description="a siding worker process")
+    p = argparse.ArgumentParser(prog="siding worker", description="a siding worker process",
+                                formatter_class=HelpFormatter)
     p.add_argument("--coordinator", default="tcp://127.0.0.1:5556",
-                   help="the coordinator's worker endpoint")
+                   help="the coordinator's worker endpoint (its --worker-listen)")
     p.add_argument("--rank", type=int, default=-1, help="pipeline rank (default: by arrival)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N: where this worker's layers run")
     p.add_argument("--advertise", default="127.0.0.1",
                    help="address the previous stage reaches this worker's activation socket "
                    "on, and Prometheus its metrics")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
-    p.add_argument("--curve-keys", default=None, help="directory with CURVE keys")
+    p.add_argument("--curve-keys", default=None,
+                   help="directory with CURVE keys, for a coordinator started with --curve-keys")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback activation socket without CURVE")
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="what this worker logs")
     p.add_argument("--debug", action="store_true", help="--log-level debug")
     return p
 

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+from worker.model_args import LLAMA3_KEYS
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> Tensor:

@@ -104,3 +104,62 @@ def test_status_shows_the_prefix_cache(real):
     siding("generate", "Once upon a time", "--endpoint", real.endpoint, "--max-tokens", "2")
     r = siding("status", "--endpoint", real.endpoint)
     assert r.returncode == 0 and "prompt tokens cached" in r.stdout, r.stdout
+
+
+class Terminal:
+    """A `siding chat` on pipes: lines in, everything it prints gathered as it comes."""
+
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "coordinator", "chat", *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.out = ""
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while text := self.proc.stdout.read(1):
+            self.out += text
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def wait_for(self, done, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not done(self.out):
+            assert time.monotonic() < deadline and self.proc.poll() is None, (what, self.out)
+            time.sleep(0.02)
+
+
+def logged_prompts(cluster: LocalCluster, ending: str) -> list[int]:
+    """The prompt tokens of each request the request log says ended so."""
+    return [int(line.split(": ", 1)[1].split()[0]) for line in cluster.stderr
+            if f", {ending}, " in line]
+
+
+def test_ctrl_c_stops_a_chat_reply_and_the_conversation_goes_on(real):
+    chat = Terminal("--endpoint", real.endpoint, "--max-tokens", "4000", "--ignore-eos")
+    try:
+        chat.send("Hello")
+        chat.wait_for(lambda out: len(out) > 12, "the first reply")
+        chat.proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C does
+        chat.wait_for(lambda out: "(reply stopped)\n> " in out, "the first stop")
+        first = chat.out.split("\n(reply stopped)")[0].removeprefix("> ")
+        chat.send("Again")
+        chat.wait_for(lambda out: len(out.split("(reply stopped)\n> ")[1]) > 2, "a second reply")
+        chat.proc.send_signal(signal.SIGINT)
+        chat.wait_for(lambda out: out.count("(reply stopped)") == 2, "the second stop")
+        chat.proc.stdin.close()  # Ctrl-D
+        assert chat.proc.wait(60) == 0, chat.proc.stderr.read()
+    finally:
+        chat.proc.kill()
+    assert "Traceback" not in chat.proc.stderr.read()
+    deadline = time.monotonic() + 60
+    while len(aborted := logged_prompts(real, "aborted (by the client)")) < 2:
+        assert time.monotonic() < deadline, real.stderr
+        time.sleep(0.05)
+    with Client(real.endpoint) as c:  # the second request's prompt: the first reply as shown
+        expected = c.chat([{"role": "user", "content": "Hello"},
+                           {"role": "assistant", "content": first},
+                           {"role": "user", "content": "Again"}], max_tokens=1)
+    assert aborted[-1] == len(expected.prompt_token_ids)

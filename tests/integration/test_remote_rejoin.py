@@ -1,8 +1,8 @@
 """Remote workers (started by `siding worker`, not by the coordinator) that die come back: the
 coordinator regroups when one registers again, every sequence recomputes and every request
 completes with exact mode's tokens unchanged; with the worker gone for longer than
-`--worker-wait`, waiting requests fail with `worker_failed`, and the cluster serves again once
-it returns."""
+`--worker-wait`, waiting requests fail with `worker_failed`, `siding status` counts the workers
+it awaits, and the cluster serves again once it returns."""
 
 from __future__ import annotations
 
@@ -83,6 +83,10 @@ def test_a_remote_worker_that_dies_and_comes_back_loses_no_request(reference):
         with Client(cluster.endpoint, timeout=120) as c, pytest.raises(RequestError) as e:
             c.generate(prompt_token_ids=PROMPTS[0], max_tokens=8)
         assert e.value.code == "worker_failed" and 8 < time.monotonic() - t0 < 110  # not at 120
+        status = subprocess.run([sys.executable, "-m", "coordinator", "status", "--endpoint",
+                                 cluster.endpoint], capture_output=True, text=True, timeout=120)
+        assert "workers up 0 of 2 (1 registered, 1 awaited)   layers up 0 of 4" in (
+            status.stdout), status.stdout + status.stderr
         workers[1] = start_worker(port, 1)
         with Client(cluster.endpoint, timeout=120) as c:
             r = c.generate(prompt_token_ids=PROMPTS[0], max_tokens=TOKENS, ignore_eos=True)

@@ -84,6 +84,12 @@ def test_a_cluster_that_is_not_running_is_answered_in_seconds_with_a_hint(comman
         r.stderr), r.stderr
 
 
+def test_more_workers_than_layers_are_refused_before_any_process_starts():
+    r = run_cli("launch", "--model", "synthetic:tiny", "--workers", "5")
+    assert r.returncode == 1 and r.stderr == (
+        "siding: error: --workers 5: synthetic:tiny has 4 layers; at most 4 workers\n")
+
+
 def launch_parser() -> argparse.ArgumentParser:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices["launch"]
@@ -103,3 +109,82 @@ def test_every_option_of_launch_is_described_and_in_the_readme(monkeypatch):
         assert f"| `{flag}" in readme or f"`, `{flag}" in readme, f"{flag} is not in the README"
     text = launch_parser().format_help()
     assert "(default: 1024)" in text and "(default: tcp://127.0.0.1:5555)" in text
+
+
+def subcommand(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def test_chat_offers_no_options_that_make_no_sense_for_one_streamed_reply():
+    flags = {f for a in subcommand("chat")._actions for f in a.option_strings}
+    assert "-n" not in flags and "--stream" not in flags and "--json" not in flags
+    assert "-n" in {f for a in subcommand("generate")._actions for f in a.option_strings}
+
+
+def test_an_endpoint_without_transport_means_tcp():
+    args = build_parser().parse_args(["status", "--endpoint", "localhost:17999,10.0.0.2:5555"])
+    assert args.endpoint == "tcp://localhost:17999,tcp://10.0.0.2:5555"
+
+
+def test_a_bad_client_endpoint_is_refused_naming_the_flag_and_the_form():
+    r = run_cli("status", "--endpoint", "localhost")
+    assert r.returncode == 2
+    assert "argument --endpoint: 'localhost' is not an endpoint: give tcp://HOST:PORT" in (
+        r.stderr), r.stderr
+
+
+def test_an_unreadable_api_key_file_is_named_with_its_flag(tmp_path):
+    missing = tmp_path / "nonexistent"
+    r = run_cli("launch", "--api-key-file", str(missing))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"siding: error: --api-key-file {missing}: cannot read it: No such file" in (
+        r.stderr), r.stderr
+
+
+class Parsed(Exception):
+    """Raised in place of parsing, carrying the parser a command built."""
+
+
+def scenario_parser(name: str, monkeypatch) -> argparse.ArgumentParser:
+    from benchmarks.__main__ import scenario
+
+    def capture(parser, *args, **kwargs):
+        raise Parsed(parser)
+
+    with monkeypatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", capture)
+        with pytest.raises(Parsed) as parsed:
+            scenario(name).main([])
+    return parsed.value.args[0]
+
+
+def every_parser(monkeypatch) -> dict[str, argparse.ArgumentParser]:
+    from benchmarks.__main__ import scenarios
+    from worker.process import build_parser as worker_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = {"siding": build_parser(), "siding worker": worker_parser()}
+    parsers.update({f"siding {name}": p for name, p in sub.choices.items() if name != "worker"})
+    parsers.update({f"siding bench {name}": scenario_parser(name, monkeypatch)
+                    for name in scenarios()})
+    return parsers
+
+
+def test_every_option_of_every_command_is_described_with_its_default(monkeypatch):
+    undescribed, no_default = [], []
+    for command, parser in every_parser(monkeypatch).items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS or isinstance(
+                    action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            name = f"{command} {(action.option_strings or [action.dest])[0]}"
+            if not action.help:
+                undescribed.append(name)
+            elif action.option_strings and action.default not in (
+                    None, True, False, "", argparse.SUPPRESS) and "(default" not in (
+                    formatter._get_help_string(action)):
+                no_default.append(name)
+    assert undescribed == [], undescribed
+    assert no_default == [], no_default

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -14,7 +16,7 @@ import transformers
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from worker.loaders import resolve
+from worker.loaders import layer_count, resolve
 from worker.model import ModelArgs, StageModel
 from worker.tokenizer import SYNTHETIC_CHAT_TEMPLATE, byte_level_tokenizer
 
@@ -184,6 +186,15 @@ def test_synthetic_llama_shapes():
 def test_unknown_spec_is_a_value_error(spec):
     with pytest.raises(ValueError, match="synthetic"):
         resolve(spec)
+
+
+def test_the_layer_count_comes_from_metadata_without_torch(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 7}))
+    assert [layer_count(s) for s in ("smollm2-135m", "synthetic:llama-8b", str(tmp_path))] == [
+        30, 32, 7]
+    probe = ("import sys; from worker.loaders import layer_count; "
+             "layer_count('smollm2-135m'); assert 'torch' not in sys.modules")
+    assert subprocess.run([sys.executable, "-c", probe]).returncode == 0
 
 
 def test_unsupported_gguf_architecture_is_a_clear_error(tmp_path):

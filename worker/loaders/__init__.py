@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import mmap
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+from worker.loaders.synthetic_shapes import SHAPES, named_shape
+from worker.model_args import ModelArgs
 
-from worker.loaders.gguf import GGUFSource
-from worker.loaders.safetensors import SafetensorsSource
-from worker.loaders.synthetic import SHAPES, SyntheticSource
-from worker.model import ModelArgs, StageModel
-from worker.tokenizer import TokenizerInfo
+if TYPE_CHECKING:  # the sources, and torch, are imported when a model is resolved
+    import torch
+
+    from worker.model import StageModel
+    from worker.tokenizer import TokenizerInfo
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,15 +53,53 @@ def smollm2_path() -> Path:
 
 
 def resolve(spec: str) -> ModelSource:
+    kind, where = _locate(spec)
+    if kind == "gguf":
+        from worker.loaders.gguf import GGUFSource
+
+        return GGUFSource(where, name=DEFAULT_MODEL if spec == DEFAULT_MODEL else None)
+    if kind == "synthetic":
+        from worker.loaders.synthetic import SyntheticSource
+
+        return SyntheticSource(where)
+    from worker.loaders.safetensors import SafetensorsSource
+
+    return SafetensorsSource(where)
+
+
+def layer_count(spec: str) -> int:
+    """The model's layers, from its metadata alone: no torch, no tensor (the coordinator asks,
+    before it starts any worker)."""
+    kind, where = _locate(spec)
+    if kind == "synthetic":
+        return named_shape(where).n_layers
+    if kind == "gguf":
+        from worker.loaders.gguf_header import read_header
+
+        with where.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            meta = read_header(buf, where)[0]
+        return meta[f"{meta.get('general.architecture')}.block_count"]
+    return json.loads((where / "config.json").read_text())["num_hidden_layers"]
+
+
+def check_split(name: str, n_layers: int, n_workers: int) -> None:
+    """Each worker needs a layer at least."""
+    if n_workers > n_layers:
+        raise ValueError(f"--workers {n_workers}: {name} has {n_layers} layers; at most "
+                         f"{n_layers} workers")
+
+
+def _locate(spec: str) -> tuple[str, Path | str]:
+    """(gguf, its path), (synthetic, the shape's name) or (hf, its directory)."""
     if spec == DEFAULT_MODEL:
-        return GGUFSource(smollm2_path(), name=DEFAULT_MODEL)
+        return "gguf", smollm2_path()
     if spec.startswith("synthetic:"):
-        return SyntheticSource(spec.removeprefix("synthetic:"))
+        return "synthetic", spec.removeprefix("synthetic:")
     path = Path(spec)
     if path.suffix == ".gguf" and path.is_file():
-        return GGUFSource(path)
+        return "gguf", path
     if path.is_dir() and (path / "config.json").is_file():
-        return SafetensorsSource(path)
+        return "hf", path
     raise ValueError(
         f"cannot resolve model {spec!r}; accepted: {DEFAULT_MODEL} (the default), a path to a "
         ".gguf file, a Hugging Face directory (config.json, *.safetensors, tokenizer.json), or "

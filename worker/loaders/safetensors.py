@@ -11,7 +11,7 @@ from torch import Tensor
 
 from worker.loaders import progress
 from worker.model import ModelArgs, StageModel, build_stage, check_layer_range
-from worker.rope import LLAMA3_KEYS
+from worker.model_args import LLAMA3_KEYS
 from worker.tokenizer import TokenizerInfo, hf_tokenizer
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")

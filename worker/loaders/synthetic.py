@@ -13,36 +13,9 @@ import torch
 from torch import Tensor
 
 from worker.loaders import progress
-from worker.model import ModelArgs, StageModel, build_stage, check_layer_range
+from worker.loaders.synthetic_shapes import named_shape
+from worker.model import StageModel, build_stage, check_layer_range
 from worker.tokenizer import TokenizerInfo, byte_level_tokenizer
-
-_LLAMA3_ROPE = {
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
-
-SHAPES = {
-    "tiny": ModelArgs(
-        n_layers=4, dim=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512, vocab_size=512,
-        rope_theta=10000.0, rms_eps=1e-5, max_context=4096,
-    ),
-    "smollm2-135m": ModelArgs(
-        n_layers=30, dim=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536,
-        vocab_size=49152, rope_theta=100000.0, rms_eps=1e-5, max_context=8192,
-        tie_embeddings=True,
-    ),
-    "llama-1b": ModelArgs(
-        n_layers=16, dim=2048, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192,
-        vocab_size=128256, rope_theta=500000.0, rms_eps=1e-5, max_context=131072,
-        tie_embeddings=True, rope_scaling={"factor": 32.0, **_LLAMA3_ROPE},
-    ),
-    "llama-8b": ModelArgs(
-        n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
-        vocab_size=128256, rope_theta=500000.0, rms_eps=1e-5, max_context=131072,
-        rope_scaling={"factor": 8.0, **_LLAMA3_ROPE},
-    ),
-}  # fmt: skip
 
 # Small enough that 30+ residual additions keep activations O(1) in bfloat16.
 WEIGHT_STD = 0.02
@@ -50,10 +23,8 @@ WEIGHT_STD = 0.02
 
 class SyntheticSource:
     def __init__(self, shape: str):
-        if shape not in SHAPES:
-            raise ValueError(f"unknown synthetic model {shape!r}; known: {', '.join(SHAPES)}")
         self.name = f"synthetic:{shape}"
-        self.args = dataclasses.replace(SHAPES[shape])
+        self.args = dataclasses.replace(named_shape(shape))
         self._tokenizer: TokenizerInfo | None = None
 
     @property
