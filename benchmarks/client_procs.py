@@ -26,7 +26,8 @@ def client_limit(cpu: list[dict[str, Any]], procs: int, streams: int) -> str | N
     """Why the bench's own client processes (`cpu`'s "bench client" entries, as
     `proc_cpu.cpu_use` gives them) limited the point, and what to do; None when none was
     saturated."""
-    busy = [c["cores"] for c in cpu if c["name"].startswith("bench client") and c["cores"]]
+    busy = [c["cores"] for c in cpu if c["name"].startswith("bench client")
+            and c["cores"] is not None]
     if not busy or max(busy) <= SATURATED:
         return None
     more = min(streams, 2 * procs)

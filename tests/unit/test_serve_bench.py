@@ -149,8 +149,9 @@ def test_a_point_is_client_limited_when_a_client_process_passes_nine_tenths_of_a
 def test_a_closed_loop_run_streams_every_token_and_charges_the_core_cpu(tmp_path, capsys,
                                                                         monkeypatch):
     """Through both APIs on one cluster: siding's client and the OpenAI API. With any client
-    CPU counted as saturation, every point carries the verdict and the output says what to do."""
-    monkeypatch.setattr(client_procs, "SATURATED", 0.0)
+    CPU, none included, counted as saturation, every point carries the verdict and the output
+    says what to do."""
+    monkeypatch.setattr(client_procs, "SATURATED", -1.0)
     serve.main(["--model", "synthetic:tiny", "--concurrency", "2", "--duration", "3",
                 "--warmup", "1", "--output-len", "8", "--prompt-len", "16", "--api", "zmq,http",
                 "--inprocess-steps", "4", "--out", str(tmp_path)])
