@@ -1,9 +1,10 @@
 """`siding bench serve`: a running cluster as a serving engine, measured at its client endpoint
 by concurrent streaming clients, beside the worker's own decode step rate at the same batch.
 
-Load comes from `--client-procs` client processes (`python -m benchmarks.serve_load`), each
-running its share of the streams and handing its per-request records back as JSON; client i uses
-endpoint i % N of the (comma-separated) endpoints the cluster reports. `--api zmq` streams through
+Load comes from `--client-procs` client processes (`python -m benchmarks.serve_load`; auto: one
+per 8 streams, as the cores allow, benchmarks/client_procs.py), each running its share of the
+streams and handing its per-request records back as JSON; client i uses endpoint i % N of the
+(comma-separated) endpoints the cluster reports. `--api zmq` streams through
 `protocol.AsyncClient`s, `--api http` through the OpenAI API with the official `openai` client
 (`AsyncOpenAI`, completions with token-id prompts), `--api zmq,http` both on one cluster.
 Two modes:
@@ -44,6 +45,9 @@ Columns, per concurrency or rate:
 - step busy: the share of the window the last stage spent in steps (its
   `siding_forward_seconds`, scraped from its metrics at the window's ends): near 1, the cluster
   runs as fast as its steps, and the engine core and frontends do not hold the worker back;
+- clients: the client processes, "limited" where one kept more than 0.9 of a core busy in the
+  window (its one Python thread saturated: the bench, not the cluster, set the rate; the record's
+  `client_limited` and `client_limited_why` say so and what to rerun with);
 - errors: requests sent in the window that failed or were cut off.
 """
 
@@ -64,7 +68,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.cli import build_parser
-from coordinator.config import threads_per_worker
+from coordinator.config import threads_per_worker, usable_cores
 from coordinator.local_cluster import LocalCluster, checkout_env
 from coordinator.prometheus_config import free_metrics_port, worker_ports
 from protocol.busy_poll import busy_seconds
@@ -72,6 +76,7 @@ from protocol.help_formatter import HelpFormatter
 from worker.build import resolve_dtype
 from worker.loaders import DEFAULT_MODEL, resolve
 
+from .client_procs import STREAMS_PER_CLIENT, auto_client_procs, client_limit
 from .decode import dtype_name
 from .kv_pipeline import quantiles
 from .proc_cpu import (
@@ -103,7 +108,6 @@ from .serve_load import poisson_arrivals
 
 SCENARIO = "serve"
 START_S = 0.5  # from the go signal to the clients' first requests
-CLIENT_BUSY = 0.7  # cores a client process may keep busy before it may be what limits the load
 OTHERS_BUSY = 0.2  # cores the rest of the machine may keep busy before a point is called skewed
 
 
@@ -202,6 +206,14 @@ def positive_list(kind: type) -> Callable[[str], list]:
     return parse
 
 
+def procs_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--client-procs takes auto or a count, not {text!r}")
+    return int(text)
+
+
 def api_list(text: str) -> list[str]:
     apis = [x.strip() for x in text.split(",") if x.strip()]
     if not apis or any(x not in ("zmq", "http") for x in apis) or len(set(apis)) < len(apis):
@@ -246,8 +258,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--streams-per-socket", type=int, default=1,
                    help="closed loop, zmq: streams of a client process sharing one AsyncClient "
                    "(as an application multiplexes them); 1: a socket each")
-    p.add_argument("--client-procs", type=int, default=0,
-                   help="client processes (0: 1 up to 64 streams, else min(8, cores/2))")
+    p.add_argument("--client-procs", type=procs_arg, default="auto", metavar="auto|N",
+                   help="client processes the streams are dealt over; auto: one per "
+                   f"{STREAMS_PER_CLIENT} streams (closed loop: the concurrency; open: "
+                   "--max-batch-seqs), at most the cores this process may use less one per "
+                   "cluster process (engine core, frontends, workers), at least 1. A client is "
+                   "one asyncio thread: more streams than that can saturate it at a GPU's rate "
+                   "(benchmarks/client_procs.py), which the point then reports")
     p.add_argument("--inprocess-steps", type=int, default=64,
                    help="timed in-process steps a round (each ceiling: the median of "
                    f"{INPROCESS_ROUNDS} rounds)")
@@ -303,10 +320,6 @@ def run_order(xs: list, runs: list[tuple[str, str]]) -> list[tuple[Any, tuple[st
     return [(x, run) for i, x in enumerate(xs) for run in (runs if i % 2 == 0 else runs[::-1])]
 
 
-def default_procs(streams: int) -> int:
-    return 1 if streams <= 64 else min(8, max(1, (os.cpu_count() or 1) // 2))
-
-
 def main(argv: list[str]) -> None:
     a = parse_args(argv)
     stamp = timestamp()
@@ -359,20 +372,21 @@ def main(argv: list[str]) -> None:
                 base, api=api, rate=x, endpoints=endpoints,
                 arrivals=list(enumerate(poisson_arrivals(
                     x, a.warmup + a.duration, random.Random(f"{a.seed}-arrivals-{x}")))))
-            procs = a.client_procs or default_procs(x if a.mode == "closed" else a.max_batch_seqs)
+            streams = x if a.mode == "closed" else a.max_batch_seqs
+            procs = a.client_procs if a.client_procs != "auto" else auto_client_procs(
+                streams, 1 + a.frontends + a.workers, usable_cores())
             progress(SCENARIO, f"{label}, {xname} {x:g}: {a.warmup:g} s warm-up, then "
                      + (f"{a.duration:g} s" if spec["duration"] else f"{a.requests_per_client} "
                         "requests per client") + f", {procs} client process(es)")
             point = {"arm": label, "api": api, xname: x, "client_procs": procs,
                      **run_point(spec, procs, cluster.proc.pid, last_stage[arm], arms[arm])}
+            why = client_limit(point["cpu"], procs, streams)
+            point |= {"client_limited": why is not None, "client_limited_why": why}
             points.append(point)
             progress(SCENARIO, f"{label}, {xname} {x:g}: {point['output_tps']:.1f} tok/s, "
                      f"{point['requests_per_s']:.2f} req/s, {point['errors']} errors")
-            busiest = max(c["cores"] or 0.0 for c in point["cpu"]
-                          if c["name"].startswith("bench client"))
-            if busiest > CLIENT_BUSY:
-                progress(SCENARIO, f"warning: a client process kept {busiest:.2f} cores busy; "
-                         "the clients may be the bottleneck (raise --client-procs)")
+            if why:
+                progress(SCENARIO, f"warning: {why}")
             if point["others_cores"] > OTHERS_BUSY:
                 progress(SCENARIO, f"warning: other processes kept {point['others_cores']:.2f} "
                          "cores busy in the window; this point is skewed")
@@ -408,6 +422,9 @@ def main(argv: list[str]) -> None:
                ylabel="output tokens/s")
     print(table(points, xname))
     print(process_table(points, xname))
+    for p in points:
+        if p["client_limited"]:
+            print(f"warning: {p['arm']}, {xname} {p[xname]:g}: {p['client_limited_why']}")
     print(f"results: {json_path}, {png_path}")
 
 
@@ -422,7 +439,7 @@ def table(points: list[dict[str, Any]], xname: str) -> str:
                "same-work tok/s", "of same-work", "req/s",
                "ttft p50/p99 ms", "itl p50/p99 ms", "e2e p50/p99 s", "core us/tok",
                "frontend us/tok", "worker us/tok", "non-worker us/tok", "step busy",
-               "others cores", "errors"]
+               "others cores", "clients", "errors"]
     rows = [[
         p["arm"], f"{p[xname]:g}", f"{p['mean_in_flight']:.1f}", f"{p['output_tps']:.1f}",
         f"{p['inprocess']['tps']:.1f}" if "inprocess" in p else "-",
@@ -433,7 +450,9 @@ def table(points: list[dict[str, Any]], xname: str) -> str:
         ms(p["e2e_s"], 1, 2), us(p["core_us_per_token"]), us(p["frontend_us_per_token"]),
         us(p["worker_us_per_token"]), us(p["non_worker_us_per_token"]),
         f"{p['step_busy']:.2f}",
-        f"{p['others_cores']:.2f}", p["errors"] + p["cut_off"],
+        f"{p['others_cores']:.2f}",
+        f"{p['client_procs']}{' limited' if p['client_limited'] else ''}",
+        p["errors"] + p["cut_off"],
     ] for p in points]
     return format_table(headers, rows)
 

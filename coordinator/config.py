@@ -9,12 +9,17 @@ from dataclasses import dataclass, field
 from protocol.worker_config import WorkerConfig
 
 
-def threads_per_worker(workers: int) -> int:
-    """Torch CPU threads for each of `workers` local workers: the cores this process may run on
-    (its affinity, which `taskset` and container CPU sets narrow, not the machine's count) shared
-    out. More threads than cores make every CPU op spin."""
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity, which `taskset` and container CPU sets
+    narrow, not the machine's count."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // workers)
+    return cores or 1
+
+
+def threads_per_worker(workers: int) -> int:
+    """Torch CPU threads for each of `workers` local workers: the usable cores shared out. More
+    threads than cores make every CPU op spin."""
+    return max(1, usable_cores() // workers)
 
 
 def is_endpoint(endpoint: str) -> bool:

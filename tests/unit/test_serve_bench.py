@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from benchmarks import proc_cpu, serve, serve_ceiling, serve_load
+from benchmarks import client_procs, proc_cpu, serve, serve_ceiling, serve_load
 from worker.loaders import resolve
 
 
@@ -114,8 +114,44 @@ def test_streams_share_sockets_in_groups_spread_over_the_endpoints(per_socket, s
             c.client._socket.close(linger=0)
 
 
-def test_a_closed_loop_run_streams_every_token_and_charges_the_core_cpu(tmp_path, capsys):
-    """Through both APIs on one cluster: siding's client and the OpenAI API."""
+@pytest.mark.parametrize("streams,cluster,cores,procs", [
+    (1, 3, 16, 1), (8, 3, 16, 1), (9, 3, 16, 2), (32, 3, 16, 4), (128, 3, 16, 13),
+    (128, 6, 128, 16), (32, 3, 2, 1), (64, 3, 4, 1), (32, 3, 6, 3)])
+def test_auto_client_procs_take_8_streams_each_on_the_cores_the_cluster_leaves(
+        streams, cluster, cores, procs):
+    assert client_procs.auto_client_procs(streams, cluster, cores) == procs
+
+
+def test_client_procs_are_auto_by_default_or_a_positive_count():
+    assert serve.parse_args([]).client_procs == "auto"
+    assert serve.parse_args(["--client-procs", "3"]).client_procs == 3
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit):
+            serve.parse_args(["--client-procs", bad])
+
+
+def clients_cpu(*cores: float | None) -> list[dict]:
+    return [{"name": "core", "cores": 1.0}, {"name": "worker 0", "cores": 1.0},
+            *({"name": f"bench client {k}", "cores": c} for k, c in enumerate(cores))]
+
+
+def test_a_point_is_client_limited_when_a_client_process_passes_nine_tenths_of_a_core():
+    assert client_procs.client_limit(clients_cpu(0.5, 0.9), 2, 32) is None
+    assert client_procs.client_limit(clients_cpu(None), 1, 32) is None  # gone: unknown
+    why = client_procs.client_limit(clients_cpu(0.4, 0.97), 2, 32)
+    assert why.startswith("a client process kept 0.97 cores busy (2 for 32 streams)")
+    assert why.endswith("rerun with --client-procs 4")
+    assert client_procs.client_limit(clients_cpu(0.95), 1, 3).endswith("--client-procs 2")
+    assert "each stream has a process already" in client_procs.client_limit(
+        clients_cpu(0.95, 0.2), 2, 2)
+
+
+def test_a_closed_loop_run_streams_every_token_and_charges_the_core_cpu(tmp_path, capsys,
+                                                                        monkeypatch):
+    """Through both APIs on one cluster: siding's client and the OpenAI API. With any client
+    CPU, none included, counted as saturation, every point carries the verdict and the output
+    says what to do."""
+    monkeypatch.setattr(client_procs, "SATURATED", -1.0)
     serve.main(["--model", "synthetic:tiny", "--concurrency", "2", "--duration", "3",
                 "--warmup", "1", "--output-len", "8", "--prompt-len", "16", "--api", "zmq,http",
                 "--inprocess-steps", "4", "--out", str(tmp_path)])
@@ -128,6 +164,8 @@ def test_a_closed_loop_run_streams_every_token_and_charges_the_core_cpu(tmp_path
                                                                  ("siding http", "http")]
     for point in record["points"]:
         assert point["concurrency"] == 2 and point["output_tps"] > 0
+        assert point["client_procs"] == 1 and point["client_limited"] is True
+        assert point["client_limited_why"].endswith("rerun with --client-procs 2")
         assert point["requests"] and point["errors"] == point["cut_off"] == 0
         assert all(r["tokens"] == r["output_len"] == 8 for r in point["requests"])
         assert {r["client"] for r in point["requests"]} == {0, 1}
@@ -140,7 +178,9 @@ def test_a_closed_loop_run_streams_every_token_and_charges_the_core_cpu(tmp_path
         work = point["inprocess_work"]  # 2 streams of 8 tokens: a prompt every fourth step
         assert work["batch"] == 2 and work["prompts_per_step"] == 0.25 and work["tps"] > 0
         assert point["of_inprocess_work"] == pytest.approx(point["output_tps"] / work["tps"])
-    assert "non-worker us/tok" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "non-worker us/tok" in out and "1 limited" in out
+    assert "warning: siding http, concurrency 2: a client process kept" in out
 
 
 def test_the_same_work_ceiling_mixes_the_loops_prompts_into_its_steps(monkeypatch):
