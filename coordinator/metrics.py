@@ -1,4 +1,4 @@
-"""Every coordinator metric of the contract (DESIGN.md section 10), in one registry."""
+"""Every coordinator metric (docs/reference.md, "Metrics"), in one registry."""
 
 from __future__ import annotations
 

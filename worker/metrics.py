@@ -1,4 +1,4 @@
-"""Every worker metric of the contract (DESIGN.md section 10), in one registry per worker.
+"""Every worker metric (docs/reference.md, "Metrics"), in one registry per worker.
 
 Each series carries the labels `worker` (the rank) and `device`, and every label combination
 exists from the start, so a dashboard shows zeros rather than gaps. The staging ring reports

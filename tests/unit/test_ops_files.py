@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OPS, DOCKER = ROOT / "ops", ROOT / "docker"
 METRIC = re.compile(r"\bsiding_[a-z0-9_]+")
 
-# DESIGN.md section 10: family name (as the exposition names it) and type.
+# docs/reference.md, "Metrics": family name (as the exposition names it) and type.
 CONTRACT = {
     "siding_requests_running": "gauge", "siding_requests_waiting": "gauge",
     "siding_requests_parked": "gauge", "siding_kv_pages_used": "gauge",

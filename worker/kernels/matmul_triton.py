@@ -30,7 +30,7 @@ MIN_SPLIT_K = 512  # the fewest K positions a split sums
 # (tile width, warps, stages) of a launch of up to BLOCK_M rows and of a larger one, kept apart
 # so that each can be tuned alone. Three stages let two programs share an SM, so a one-row launch's
 # splits run as one wave (4 stages: 0.85 of cuBLAS at 1-32 rows on an H200, 3: 0.94-0.95;
-# docs/bench/matmul-sweep-h200.txt).
+# docs/bench/probes/matmul-sweep-h200.txt).
 SMALL_LAUNCH, LARGE_LAUNCH = (64, 4, 3), (64, 4, 3)
 # Rows up to which a spread launch's last program to finish a tile adds its splits, saving the
 # second kernel's launch: on an H100 llama-1b's step products 1-2% faster at 1 to 16 rows; added
