@@ -300,6 +300,8 @@ class Frontend:
         self.rejected += 1
 
     def _report(self) -> None:
+        if self.http is not None:
+            self.errors.update(self.http.refusals())
         rejected = self.rejected - self.rejected_reported
         if self.errors or self.dropped or rejected:
             self.rejected_reported += rejected
@@ -433,6 +435,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--http-fd", type=int, default=None, metavar="FD",
                    help="serve the OpenAI API on this inherited listening socket (its key, if "
                    "any, in SIDING_API_KEY)")
+    p.add_argument("--sse-keepalive", type=float, default=None, metavar="SECONDS",
+                   help="HTTP streams send an SSE comment after this long without an event")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
@@ -440,7 +444,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the core drains on Ctrl-C, then stops us
     http = None
     if a.http_fd is not None:
-        http = HttpServer(socket.socket(fileno=a.http_fd), os.environ.pop("SIDING_API_KEY", None))
+        http = HttpServer(socket.socket(fileno=a.http_fd), os.environ.pop("SIDING_API_KEY", None),
+                          a.sse_keepalive)
     frontend = Frontend(a.core, a.index, a.listen, a.curve_keys, a.insecure, a.exit_with_parent,
                         http)
     try:
