@@ -200,10 +200,8 @@ class Shape:
 
     async def events(self, calls: Calls, first: Any) -> AsyncIterator[bytes]:
         results: dict[int, Result] = {}
+        opened = not self.chat
         try:
-            if self.chat:  # each choice opens with its role, as OpenAI's streams do
-                for i in range(self.n):
-                    yield self._chunk(i, {"role": "assistant", "content": ""})
             item = first
             while item is not END:
                 if item is None:
@@ -211,9 +209,13 @@ class Shape:
                         yield b": keepalive\n\n"
                 elif isinstance(item[1], Result):
                     results[item[0]] = item[1]
-                elif item[1].text or item[1].finish_reason or (
-                        self.body.return_token_ids and item[1].token_ids):
-                    yield self._content(item[0] * self.n + item[1].index, item[1])
+                elif item[1].token_ids or item[1].finish_reason:  # not the frontend's keepalive
+                    if not opened:  # each choice opens with its role when the first tokens
+                        opened = True  # come, as vLLM's do: clients time the first token by it
+                        for i in range(self.n):
+                            yield self._chunk(i, {"role": "assistant", "content": ""})
+                    if item[1].text or item[1].finish_reason or self.body.return_token_ids:
+                        yield self._content(item[0] * self.n + item[1].index, item[1])
                 item = await calls.next(self.keepalive)
             if self.body.include_usage:
                 done = [results[p] for p in sorted(results)]
