@@ -215,6 +215,10 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     a("--http", default=None, metavar="HOST:PORT",
       help="also serve the OpenAI-compatible HTTP API there (for example 127.0.0.1:8000; off "
       "unless given); every frontend serves it, sharing the port")
+    a("--sse-keepalive", type=float, default=None, metavar="SECONDS",
+      help="HTTP streams send an SSE comment (`: keepalive`) after this long without an event "
+      "(off unless given: OpenAI's and vLLM's servers send none, and some clients lose the "
+      "events after one)")
     a("--api-key", default=None, metavar="KEY",
       help="bearer token the HTTP API asks for (needed for a non-loopback --http)")
     a("--api-key-file", default=None, metavar="PATH",
@@ -247,6 +251,7 @@ def config_from_args(args: argparse.Namespace):
         max_queued_per_client=args.max_queued_per_client,
         worker_wait=args.worker_wait,
         listen=args.listen, frontends=args.frontends, http=args.http, api_key=_api_key(args),
+        sse_keepalive=args.sse_keepalive,
         worker_listen=args.worker_listen,
         metrics_port=args.metrics_port or None, curve_keys=args.curve_keys,
         insecure=args.insecure, spawn_workers=args.spawn, worker_threads=args.worker_threads,

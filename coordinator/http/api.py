@@ -3,8 +3,10 @@
 
 Each HTTP request becomes one siding request per prompt, sent through an `AsyncClient` to the
 frontend it runs in, so validation, admission, text, stop strings and `n` are the ZeroMQ
-path's, byte for byte. Streams are server-sent events ending in `data: [DONE]`; a client that
-goes away, streaming or not, has its requests aborted.
+path's, byte for byte. Streams are server-sent events ending in `data: [DONE]`, with no SSE
+comments unless `--sse-keepalive` asks for them (some clients lose the events after one). A client
+that goes away, streaming or not, has its requests aborted: a stream hears of it from Starlette,
+which listens for `http.disconnect` while it streams, so no write is needed to notice.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import hmac
 import json
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -26,7 +29,7 @@ from starlette.routing import Route
 
 from protocol.async_client import AsyncClient, get_within
 from protocol.client import build_generate
-from protocol.errors import RequestError
+from protocol.errors import ErrorCode, RequestError
 from protocol.messages import Chunk, Generate, Result, Serve
 
 from ..admission import prompt_ids
@@ -35,18 +38,22 @@ from .errors import ApiError
 from .schema import ChatRequest, CompletionRequest
 
 MAX_BODY_BYTES = 32 << 20  # a request body past this gets 413 before it is parsed
-KEEPALIVE_SECONDS = 2.0  # a stream with nothing new sends an SSE comment this often
 FIRST_REPLY_SECONDS = 1.0  # a stream waits this long for admission errors before its 200
 
 
 class Api:
-    def __init__(self, client: AsyncClient, serve: Serve, api_key: str | None):
+    def __init__(self, client: AsyncClient, serve: Serve, api_key: str | None,
+                 keepalive: float | None):
         self.client = client
+        self.keepalive = keepalive  # seconds of silence before a stream's SSE comment
         self.serve = serve
         self.codec = TextCodec(serve.model)
         self.api_key = api_key
         self.model = serve.model.name
         self.created = int(time.time())
+        # codes of the requests refused here, for the frontend's loop to report as it reports
+        # its own (a deque: appended on this thread, taken on that one)
+        self.refused: deque[str] = deque()
 
     def app(self) -> Starlette:
         routes = [
@@ -66,8 +73,10 @@ class Api:
                     self._authorize(request)
                 return await handler(request)
             except ApiError as e:
+                if e.code != ErrorCode.ABORTED.value:  # a client gone: the core counts aborts
+                    self.refused.append(e.counted_as)
                 return e.response()
-            except RequestError as e:
+            except RequestError as e:  # the frontend's refusal, counted there
                 return ApiError.of(e).response()
         return run
 
@@ -141,7 +150,8 @@ class Api:
 
     async def _respond(self, request: Request, body: BaseModel, msgs: list[Generate],
                        chat: bool) -> Response:
-        shape = Shape(body, chat, msgs[0].request_id, self.model, self.serve.exact)
+        shape = Shape(body, chat, msgs[0].request_id, self.model, self.serve.exact,
+                      self.keepalive)
         calls = Calls(self.client, msgs)
         try:
             if not body.stream:
@@ -158,8 +168,10 @@ class Api:
 class Shape:
     """One HTTP call's responses in OpenAI's shapes: completions or chat, whole or chunked."""
 
-    def __init__(self, body: Any, chat: bool, request_id: str, model: str, exact: bool):
+    def __init__(self, body: Any, chat: bool, request_id: str, model: str, exact: bool,
+                 keepalive: float | None):
         self.body = body
+        self.keepalive = keepalive
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.object = "chat.completion" if chat else "text_completion"
@@ -188,20 +200,23 @@ class Shape:
 
     async def events(self, calls: Calls, first: Any) -> AsyncIterator[bytes]:
         results: dict[int, Result] = {}
+        opened = not self.chat
         try:
-            if self.chat:  # each choice opens with its role, as OpenAI's streams do
-                for i in range(self.n):
-                    yield self._chunk(i, {"role": "assistant", "content": ""})
             item = first
             while item is not END:
                 if item is None:
-                    yield b": keepalive\n\n"  # also how a client that went away is noticed
+                    if self.keepalive is not None:
+                        yield b": keepalive\n\n"
                 elif isinstance(item[1], Result):
                     results[item[0]] = item[1]
-                elif item[1].text or item[1].finish_reason or (
-                        self.body.return_token_ids and item[1].token_ids):
-                    yield self._content(item[0] * self.n + item[1].index, item[1])
-                item = await calls.next()
+                elif item[1].token_ids or item[1].finish_reason:  # not the frontend's keepalive
+                    if not opened:  # each choice opens with its role when the first tokens
+                        opened = True  # come, as vLLM's do: clients time the first token by it
+                        for i in range(self.n):
+                            yield self._chunk(i, {"role": "assistant", "content": ""})
+                    if item[1].text or item[1].finish_reason or self.body.return_token_ids:
+                        yield self._content(item[0] * self.n + item[1].index, item[1])
+                item = await calls.next(self.keepalive)
             if self.body.include_usage:
                 done = [results[p] for p in sorted(results)]
                 yield _event({"id": self.id, "object": self._chunk_object, "created":
@@ -267,9 +282,9 @@ class Calls:
         except RequestError as e:
             self.queue.put_nowait((p, e))
 
-    async def next(self, timeout: float = KEEPALIVE_SECONDS) -> Any:
-        """The next reply; None if there is none within `timeout`, END after the last Result.
-        A request's error raises."""
+    async def next(self, timeout: float | None) -> Any:
+        """The next reply; None if there is none within `timeout` (None: no limit), END after
+        the last Result. A request's error raises."""
         if not self.left:
             return END
         try:
@@ -283,8 +298,8 @@ class Calls:
 
     async def results(self) -> list[Result]:
         results: list[Any] = [None] * len(self.tasks)
-        while (item := await self.next()) is not END:
-            if item is not None and isinstance(item[1], Result):
+        while (item := await self.next(None)) is not END:
+            if isinstance(item[1], Result):
                 results[item[0]] = item[1]
         return results
 
@@ -307,7 +322,8 @@ async def _unless_gone(request: Request, work: Awaitable[Any]) -> Any:
             await asyncio.gather(task, return_exceptions=True)
     if task in done:
         return task.result()
-    raise ApiError(499, "the client went away; its requests were aborted", "aborted")
+    raise ApiError(499, "the client went away; its requests were aborted",
+                   ErrorCode.ABORTED.value)
 
 
 async def _disconnected(request: Request) -> None:

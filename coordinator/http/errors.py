@@ -13,7 +13,7 @@ STATUS = {
     ErrorCode.TOO_LONG.value: (400, "invalid_request_error"),
     ErrorCode.UNSUPPORTED.value: (400, "invalid_request_error"),
     ErrorCode.OVERLOADED.value: (503, "server_error"),
-    ErrorCode.ABORTED.value: (499, "invalid_request_error"),
+    ErrorCode.ABORTED.value: (503, "server_error"),  # the server is shutting down
     ErrorCode.WORKER_FAILED.value: (503, "server_error"),
     ErrorCode.UNAVAILABLE.value: (503, "server_error"),
     ErrorCode.TIMEOUT.value: (504, "server_error"),
@@ -35,6 +35,14 @@ class ApiError(Exception):
     def of(cls, error: RequestError, param: str | None = None) -> ApiError:
         status, kind = STATUS.get(error.code, (500, "server_error"))
         return cls(status, error.message, error.code, param, kind)
+
+    @property
+    def counted_as(self) -> str:
+        """The error code the cluster's metrics count this refusal under: siding's own, or
+        invalid_request for the HTTP layer's (invalid_json, model_not_found, ...)."""
+        if self.code in ErrorCode._value2member_map_:
+            return self.code
+        return ErrorCode.INVALID_REQUEST.value
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,

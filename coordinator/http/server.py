@@ -19,10 +19,12 @@ from protocol.messages import Serve
 
 
 class HttpServer:
-    def __init__(self, sock: socket.socket, api_key: str | None):
+    def __init__(self, sock: socket.socket, api_key: str | None, keepalive: float | None):
         self.sock = sock
         self.api_key = api_key
+        self.keepalive = keepalive
         self.server = None
+        self.api = None
         self.thread: threading.Thread | None = None
 
     def start(self, ctx: zmq.Context, endpoint: str, serve: Serve) -> None:
@@ -33,13 +35,20 @@ class HttpServer:
 
         client = AsyncClient(endpoint, timeout=None,
                              context=zmq.asyncio.Context.shadow(ctx.underlying))
-        app = Api(client, serve, self.api_key).app()
+        self.api = Api(client, serve, self.api_key, self.keepalive)
+        app = self.api.app()
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=lambda: asyncio.run(self._serve(client)),
                                        name="http", daemon=True)
         self.thread.start()
+
+    def refusals(self) -> list[str]:
+        """The error codes of the requests the API refused since the last call."""
+        if self.api is None:
+            return []
+        return [self.api.refused.popleft() for _ in range(len(self.api.refused))]
 
     @property
     def stopped(self) -> bool:

@@ -1,12 +1,14 @@
 """The OpenAI-compatible HTTP API against a real cluster (the default model, exact mode), through
 the official `openai` client: the same tokens as the ZeroMQ client, streamed or not; a client
 that goes away frees its pages; every bad input gets its status and OpenAI's error shape while a
-well-formed request beside it is served unchanged."""
+well-formed request beside it is served unchanged, and is counted where the ZeroMQ endpoint's
+are. A second, small cluster (`tiny`) takes the tests that need a queue, SSE comments or a stop."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import signal
 import socket
 import threading
 import time
@@ -201,6 +203,7 @@ def aborted(status: dict) -> int:
 
 
 def test_a_dropped_stream_is_aborted_and_its_pages_freed(cluster, zmq):
+    """No SSE comment is written to notice the client going away, nor any by default."""
     before = aborted(wait_idle(zmq))
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4000, "stream": True,
                        "ignore_eos": True})
@@ -209,9 +212,8 @@ def test_a_dropped_stream_is_aborted_and_its_pages_freed(cluster, zmq):
         "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     r = conn.getresponse()
     assert r.status == 200 and r.getheader("content-type").startswith("text/event-stream")
-    events = 0
-    while events < 5:
-        events += r.readline().startswith(b"data: ")
+    lines = [r.readline() for _ in range(10)]  # 5 events, each a line and a blank one
+    assert [line[:6] for line in lines] == [b"data: ", b"\n"] * 5
     assert pages_used(zmq) > 0
     conn.close()  # mid-stream
     assert aborted(wait_idle(zmq)) == before + 1
@@ -346,7 +348,7 @@ def test_a_restarted_frontend_serves_http_on_the_same_port(cluster, api, zmq):
 
 
 def test_health_is_503_while_a_worker_is_down_and_200_once_it_is_back(cluster, zmq):
-    """Last in this module: it kills the worker."""
+    """Last on `cluster`: it kills the worker."""
     import os
     import signal
 
@@ -360,3 +362,117 @@ def test_health_is_503_while_a_worker_is_down_and_200_once_it_is_back(cluster, z
     while (r := request(cluster, "GET", "/health")).status_code != 200:
         assert time.monotonic() < deadline, f"not healthy again: {r.json}"
         time.sleep(0.2)
+
+
+# ---- SSE comments, refusals counted, a stop (a cluster of one sequence at a time) ----------
+
+
+@pytest.fixture(scope="module")
+def tiny(launch):
+    return launch("--model", "synthetic:tiny", "--http", "127.0.0.1:0", "--max-batch-seqs", "1",
+                  "--sse-keepalive", "0.001")
+
+
+@pytest.fixture(scope="module")
+def tiny_zmq(tiny):
+    with Client(tiny.endpoint, timeout=120) as c:
+        yield c
+
+
+def tiny_model(tiny) -> str:
+    return request(tiny, "GET", "/v1/models").json["data"][0]["id"]
+
+
+def stream_lines(tiny, body: dict):
+    """An open streaming response of `tiny`, read line by line."""
+    conn = connect(tiny)
+    conn.request("POST", "/v1/completions", body=json.dumps({"stream": True, **body}),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    return conn, r
+
+
+def wait_running(zmq, running: int, waiting: int) -> None:
+    deadline = time.monotonic() + 30
+    while (s := zmq.status()["requests"])["running"] != running or s["waiting"] != waiting:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.02)
+
+
+def test_sse_keepalive_comments_a_stream_that_waits_only_when_asked(tiny, tiny_zmq):
+    """`--sse-keepalive`: a stream queued behind another hears comments until its tokens come;
+    the same stream on `cluster`, without the flag, hears none (above)."""
+    model = tiny_model(tiny)
+    first, r1 = stream_lines(tiny, {"model": model, "prompt": [1, 2, 3], "max_tokens": 100,
+                                    "ignore_eos": True})
+    r1.readline()  # its first token: it runs, and the next one waits for all 100
+    second, r2 = stream_lines(tiny, {"model": model, "prompt": [4, 5], "max_tokens": 2,
+                                     "ignore_eos": True})
+    lines = []
+    while (line := r2.readline()) != b"data: [DONE]\n":
+        lines.append(line)
+    first.close()
+    second.close()
+    events = [line for line in lines if line.startswith(b"data: ")]
+    comments = [line for line in lines if line.startswith(b":")]
+    assert len(events) + len(comments) == len(lines) - lines.count(b"\n")
+    assert comments and set(comments) == {b": keepalive\n"}
+    assert b'"finish_reason":"length"' in events[-1] and not any(b'"error"' in e for e in events)
+    wait_idle(tiny_zmq)
+
+
+def test_http_refusals_are_counted_as_zeromq_ones(tiny, tiny_zmq):
+    """Refused by the HTTP layer (unsupported, bad JSON, a wrong model) or by the frontend
+    (too long): each counts once in status's errors, which are siding_request_errors_total."""
+    model = tiny_model(tiny)
+    before = tiny_zmq.status()["errors"]
+    refusals = [
+        ({"model": model, "prompt": "x", "logprobs": 2}, "unsupported"),
+        ({"model": model, "prompt": "x", "presence_penalty": 1.0}, "unsupported"),
+        ({"model": "gpt-4", "prompt": "x"}, "model_not_found"),
+        (b"{", "invalid_json"),
+        ({"model": model, "prompt": [1] * 100_000}, "too_long"),
+    ]
+    for body, code in refusals:
+        r = post(tiny, "/v1/completions", body if isinstance(body, bytes) else json.dumps(body))
+        assert r.json["error"]["code"] == code
+    want = {**before, "unsupported": before.get("unsupported", 0) + 2,
+            "invalid_request": before.get("invalid_request", 0) + 2,
+            "too_long": before.get("too_long", 0) + 1}
+    deadline = time.monotonic() + 30  # a frontend reports its counts every second
+    while sum((errors := tiny_zmq.status()["errors"]).values()) < sum(want.values()):
+        assert time.monotonic() < deadline, errors
+        time.sleep(0.1)
+    assert errors == want
+
+
+def test_a_stop_fails_http_requests_with_503_aborted(tiny, tiny_zmq):
+    """Last in this module: it stops `tiny`. A request cut off by the server's stop is the
+    server's error (503, server_error), whole or streamed, not the client's."""
+    model = tiny_model(tiny)
+    stream, r = stream_lines(tiny, {"model": model, "prompt": [1, 2, 3], "max_tokens": 4000,
+                                    "ignore_eos": True})
+    r.readline()
+    whole: dict = {}
+    body = json.dumps({"model": model, "prompt": [4, 5], "max_tokens": 10, "ignore_eos": True})
+    t = threading.Thread(target=lambda: whole.update(r=post(tiny, "/v1/completions", body)))
+    t.start()
+    wait_running(tiny_zmq, 1, 1)
+    tiny.proc.send_signal(signal.SIGINT)  # drain: the stream would run for a long while
+    deadline = time.monotonic() + 30
+    while not any("draining" in line for line in tiny.stderr):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    tiny.proc.send_signal(signal.SIGINT)  # and stop now: what runs is aborted
+    t.join(60)
+    lines = []
+    while (line := r.readline()) not in (b"data: [DONE]\n", b""):
+        lines.append(line)
+    stream.close()
+    assert whole["r"].status_code == 503
+    assert whole["r"].json["error"]["type"] == "server_error"
+    assert whole["r"].json["error"]["code"] == "aborted"
+    (error,) = [json.loads(x[6:])["error"] for x in lines if x.startswith(b'data: {"error"')]
+    assert error["type"] == "server_error" and error["code"] == "aborted"
+    assert line == b"data: [DONE]\n"

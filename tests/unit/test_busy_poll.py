@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import zmq
 
 from coordinator.cli import build_parser
 from coordinator.config import CoordinatorConfig
+from coordinator.frontend import Frontend
+from coordinator.http.server import HttpServer
 from protocol.busy_poll import AUTO_SECONDS, BusyPoller, busy_seconds
 from protocol.messages import Serve
 from protocol.wire import decode, encode
@@ -138,3 +142,15 @@ def test_heartbeats_open_no_window(pair):
     assert busy.last == opened
     poller = CountingPoller()
     assert busy.poll(poller, 50) == {} and poller.looks == 0 and poller.waits == [50]
+
+
+@pytest.mark.parametrize("serves_http", [False, True])
+def test_a_frontend_spins_unless_it_serves_http(serves_http):
+    """Its spin would keep the GIL from its HTTP thread (`Frontend._on_serve` says how)."""
+    http = HttpServer(socket.socket(), None, None) if serves_http else None
+    frontend = Frontend("ipc:///nowhere", 0, "tcp://127.0.0.1:0", None, False, False, http)
+    try:
+        frontend._on_serve(SimpleNamespace(busy_poll=1.5))
+        assert frontend.busy.seconds == (0.0 if serves_http else 1.5)
+    finally:
+        frontend.close()

@@ -64,3 +64,11 @@ def test_a_port_in_use_is_named_with_the_flag():
         port = taken.getsockname()[1]
         with pytest.raises(OSError, match=f"--http 127.0.0.1:{port}: cannot listen .*in use"):
             listen(f"127.0.0.1:{port}")
+
+
+def test_sse_keepalives_are_off_unless_asked_for_a_positive_number_of_seconds():
+    assert config_from_args(build_parser().parse_args(["launch"])).sse_keepalive is None
+    args = build_parser().parse_args(["launch", "--sse-keepalive", "15"])
+    assert config_from_args(args).sse_keepalive == 15.0
+    with pytest.raises(ValueError, match="--sse-keepalive must be a positive"):
+        CoordinatorConfig(sse_keepalive=0.0)
