@@ -233,8 +233,11 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     a("--write-prometheus-config", metavar="PATH", default=None,
       help="write a Prometheus scrape config for this cluster's metrics ports to PATH")
     a("--curve-keys", default=None, metavar="DIR",
-      help="directory of CURVE keys (see `siding keys`)")
-    a("--insecure", action="store_true", help="allow non-loopback binds without CURVE")
+      help="directory of CURVE keys (`siding keys DIR`) for every socket: clients need them "
+      "too. `coordinator` needs them (or --insecure) for its worker links, loopback or not; "
+      "`launch` makes keys of its own for its workers' links")
+    a("--insecure", action="store_true",
+      help="allow non-loopback binds without CURVE, and `coordinator` worker links without keys")
     a("--worker-threads", type=int, default=0, metavar="N",
       help="torch CPU threads per local worker (0: the cores this process may use, shared out)")
 

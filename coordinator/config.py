@@ -82,6 +82,10 @@ class CoordinatorConfig:
         need(1 <= self.frontends <= 64, "--frontends must be in [1, 64]")
         need(self.max_queued_per_client >= 1, "--max-queued-per-client must be at least 1")
         need(self.worker_wait > 0, "--worker-wait must be a positive number of seconds")
+        if not self.spawn_workers:  # workers of its own get keys made for the run
+            from protocol.security import check_links
+
+            check_links(self.curve_keys, self.insecure)
         if self.http is not None:
             from protocol.security import check_http_bind
 

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import gc
 import logging
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import zmq
 
@@ -47,6 +44,7 @@ from .page_allocator import PageAllocator
 from .plan import step_frames
 from .prefix_cache import PrefixCache
 from .requests import Requests, merged
+from .run_dir import RunDir
 from .schedule import Schedule
 from .scheduler import Scheduler
 from .status import cluster_status
@@ -76,14 +74,13 @@ class EngineCore:
         for ep in [config.worker_listen, *config.client_endpoints()]:
             security.check_bind(ep, config.curve_keys, config.insecure)
         self.ctx = zmq.Context()
-        # The worker links (this socket, and the workers' activation sockets) always need keys:
-        # the cluster's own, or for workers it starts itself, keys made for this run only, so
-        # that no other process on the machine can join them or inject into them.
-        self.keys_dir = None
+        self.run_dir = RunDir()
+        # The worker links (this socket, and the workers' activation sockets) always need keys
+        # (or --insecure): the cluster's own, or for workers it starts itself, keys made for
+        # this run only, so that no other process on the machine can join or inject into them.
         link_keys = config.curve_keys
         if link_keys is None and config.spawn_workers:
-            self.keys_dir = tempfile.mkdtemp(prefix="siding-keys-")  # mode 0700
-            link_keys = str(security.generate_keys(Path(self.keys_dir) / "links"))
+            link_keys = str(security.generate_keys(self.run_dir.path / "links"))
         self.worker_sock = self.ctx.socket(zmq.ROUTER)
         self.worker_sock.setsockopt(zmq.LINGER, 0)
         self.worker_sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -99,7 +96,7 @@ class EngineCore:
             raise OSError(f"--worker-listen {config.worker_listen}: cannot listen there: "
                           f"{reason}") from None
         self.workers = WorkerGroup(self.worker_sock, config, link_keys)
-        self.frontends = FrontendGroup(self.ctx, config)
+        self.frontends = FrontendGroup(self.ctx, config, self.run_dir.path)
         # how the loop waits: --busy-poll, auto resolved once the workers' devices are known
         self.busy = BusyPoller(0.0)
         self.heard = False  # a message besides heartbeats since the last poll (`_poll`)
@@ -176,8 +173,7 @@ class EngineCore:
         if self.auth is not None:
             self.auth.stop()
         self.ctx.destroy(linger=0)
-        if self.keys_dir is not None:
-            shutil.rmtree(self.keys_dir, ignore_errors=True)
+        self.run_dir.remove()
 
     def serve(self, should_stop=lambda: False, drain_seconds: float = 30.0,
               hurry=lambda: False) -> None:

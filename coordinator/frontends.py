@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
@@ -57,15 +56,14 @@ class FrontendHandle:
 
 
 class FrontendGroup:
-    def __init__(self, ctx: zmq.Context, config: CoordinatorConfig):
+    def __init__(self, ctx: zmq.Context, config: CoordinatorConfig, private_dir: Path):
         self.config = config
-        self.dir = tempfile.mkdtemp(prefix="siding-")  # mode 0700
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.sock.setsockopt(zmq.SNDHWM, OUTPUT_HWM)
         self.sock.setsockopt(zmq.RCVHWM, OUTPUT_HWM)
-        self.sock.bind(f"ipc://{self.dir}/core")
+        self.sock.bind(f"ipc://{private_dir}/core")
         for ep in config.client_endpoints():  # here, once, rather than in a frontend process
             check_free("--listen", ep)
         self.handles = [FrontendHandle(i, ep) for i, ep in enumerate(config.client_endpoints())]
@@ -183,7 +181,6 @@ class FrontendGroup:
             except subprocess.TimeoutExpired:
                 h.process.kill()
                 h.process.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
         if self.http is not None:
             self.http.close()
 

@@ -58,6 +58,15 @@ def check_bind(endpoint: str, curve_keys: str | None, insecure: bool) -> None:
     )
 
 
+def check_links(curve_keys: str | None, insecure: bool) -> None:
+    """Refuse worker links (`siding coordinator`'s worker socket, a worker's sockets) without
+    CURVE keys, even on loopback, unless told `insecure`: any local user could join them."""
+    if curve_keys or insecure:
+        return
+    raise ValueError("the worker links need --curve-keys DIR, the same on the coordinator and "
+                     "every worker (make them with `siding keys DIR`), or --insecure")
+
+
 def check_http_bind(host: str, api_key: str | None, insecure: bool) -> None:
     """The same rule for the HTTP API: beyond this machine only with an API key."""
     if is_loopback(f"tcp://{host}:0") or api_key or insecure:

@@ -59,6 +59,7 @@ NEXT_STAGE_SECONDS = 2.0  # a next stage that takes no activations this long is 
 class Worker:
     def __init__(self, coordinator: str, rank: int, device: str, advertise: str,
                  curve_keys: str | None, insecure: bool, exit_with_parent: bool):
+        security.check_links(curve_keys, insecure)
         security.check_bind(f"tcp://{advertise}:0", curve_keys, insecure)
         self.coordinator = coordinator
         self.advertise = advertise  # the activation and metrics sockets bind here
@@ -299,10 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address the previous stage reaches this worker's activation socket "
                    "on, and Prometheus its metrics")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
-    p.add_argument("--curve-keys", default=None,
-                   help="directory with CURVE keys, for a coordinator started with --curve-keys")
+    p.add_argument("--curve-keys", default=None, metavar="DIR",
+                   help="the coordinator's CURVE keys directory (`siding keys DIR`): they "
+                   "authenticate this worker's links, loopback or not")
     p.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback activation socket without CURVE")
+                   help="run without --curve-keys: any peer that reaches this worker's sockets "
+                   "may join or inject into them")
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="what this worker logs")
@@ -323,7 +326,8 @@ def main(argv: list[str] | None = None) -> None:
         worker = Worker(a.coordinator, a.rank, a.device, a.advertise, a.curve_keys, a.insecure,
                         a.exit_with_parent)
     except ValueError as e:
-        p.error(str(e))
+        print(f"siding worker: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     worker.run()
     # Told to stop, with nothing left to send: the threads' sockets (heartbeats, CURVE
     # authentication, rejection counting) would hold the context's teardown up to a second.

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
+from helpers.remote import free_port, start_worker
 
 from coordinator.config import CoordinatorConfig
 from coordinator.local_cluster import LocalCluster
-from protocol import Client, RequestError
+from protocol import Client, RequestError, security
 
 PROMPT = [72, 101, 108, 108, 111]
 FRONTEND_TIMEOUT = CoordinatorConfig.frontend_timeout
@@ -96,23 +94,21 @@ def test_a_killed_frontend_is_restarted_and_its_streams_fail_at_once(cluster):
             status = c.status()
 
 
-def test_frontends_outlive_a_start_up_longer_than_their_liveness_deadline():
+def test_frontends_outlive_a_start_up_longer_than_their_liveness_deadline(tmp_path):
     """Workers may take minutes to load; a frontend waiting to serve still counts as alive."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    keys = str(security.generate_keys(tmp_path / "keys"))
+    port = free_port()
     cluster = LocalCluster("--model", "synthetic:tiny", "--workers", "1", "--frontends", "2",
-                           "--worker-listen", f"tcp://127.0.0.1:{port}", command="coordinator",
-                           timeout=120)
+                           "--worker-listen", f"tcp://127.0.0.1:{port}", "--curve-keys", keys,
+                           command="coordinator", timeout=120)
     started = threading.Thread(target=cluster.start)
     started.start()
     time.sleep(FRONTEND_TIMEOUT + 2)  # no worker yet: the cluster cannot be ready
-    worker = subprocess.Popen([sys.executable, "-m", "worker", "--coordinator",
-                               f"tcp://127.0.0.1:{port}", "--rank", "0"])
+    worker = start_worker(port, 0, keys)
     try:
         started.join(120)
         assert cluster.endpoint, "the cluster did not come up"
-        with Client(cluster.endpoint, timeout=60) as c:
+        with Client(cluster.endpoint, timeout=60, curve_keys_dir=keys) as c:
             assert len(c.generate(prompt_token_ids=PROMPT, max_tokens=4,
                                   ignore_eos=True).token_ids) == 4
             assert [f["restarts"] for f in c.status()["frontends"]] == [0, 0]

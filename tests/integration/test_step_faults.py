@@ -1,12 +1,12 @@
 """The coordinator against a scripted worker: a corrupt restore fails only its own request."""
 
-import socket
 import threading
 
 import zmq
+from helpers.remote import free_port
 
 from coordinator.local_cluster import LocalCluster
-from protocol import Client, RequestError
+from protocol import Client, RequestError, security
 from protocol.messages import (
     Assign,
     Heartbeat,
@@ -21,24 +21,20 @@ from protocol.wire import decode, encode
 from worker.tokenizer import byte_level_tokenizer
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class FakeWorker(threading.Thread):
     """One worker holding every layer; samples token 65 ('A') and fails the first restore."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, keys: str):
         super().__init__(daemon=True)
         self.endpoint = endpoint
+        self.keys = keys
         self.stop = threading.Event()
         self.failed_seq: int | None = None
 
     def run(self) -> None:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        security.secure_client(sock, self.keys)
         sock.connect(self.endpoint)
         sock.send_multipart(encode(Register(rank=0, device="cpu", data_endpoint="tcp://x:1")))
         tok = byte_level_tokenizer(512)
@@ -67,20 +63,21 @@ class FakeWorker(threading.Thread):
         sock.close()
 
 
-def test_a_corrupt_restore_fails_its_request_and_the_others_complete():
+def test_a_corrupt_restore_fails_its_request_and_the_others_complete(tmp_path):
+    keys = str(security.generate_keys(tmp_path / "keys"))
     port = free_port()
-    worker = FakeWorker(f"tcp://127.0.0.1:{port}")
+    worker = FakeWorker(f"tcp://127.0.0.1:{port}", keys)
     worker.start()
     cluster = LocalCluster("--workers", "1", "--worker-listen", f"tcp://127.0.0.1:{port}",
-                           "--preempt-every", "2", "--page-size", "2", command="coordinator",
-                           timeout=60)
+                           "--preempt-every", "2", "--page-size", "2", "--curve-keys", keys,
+                           command="coordinator", timeout=60)
     cluster.start()
     try:
         outcomes = {}
 
         def run(i: int) -> None:
             try:
-                with Client(cluster.endpoint, timeout=60) as c:
+                with Client(cluster.endpoint, timeout=60, curve_keys_dir=keys) as c:
                     outcomes[i] = c.generate(prompt_token_ids=[70 + i] * 3, max_tokens=12,
                                              ignore_eos=True)
             except RequestError as e:
@@ -96,7 +93,7 @@ def test_a_corrupt_restore_fails_its_request_and_the_others_complete():
         assert len(errors) == 1 and errors[0].code == "internal"
         assert "park store" in errors[0].message
         assert len(done) == 2 and all(r.token_ids == [65] * 12 for r in done)
-        with Client(cluster.endpoint, timeout=30) as c:
+        with Client(cluster.endpoint, timeout=30, curve_keys_dir=keys) as c:
             s = c.status()
         assert s["pool"]["pages_used"] == 0 and s["park"]["slots_used"] == 0
         assert s["requests"] == {"running": 0, "waiting": 0, "parked": 0}

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from coordinator.config import CoordinatorConfig
 from protocol import Client, ErrorCode, RequestError
 from protocol.messages import StatusReply
 from protocol.security import check_bind, generate_keys, is_loopback, secure_server
@@ -55,6 +56,14 @@ def test_check_bind_allows_loopback_keys_or_insecure_and_refuses_the_rest():
     assert str(e.value) == (
         "binding tcp://0.0.0.0:5555 needs --curve-keys DIR (see `siding keys`) or --insecure"
     )
+
+
+def test_a_coordinator_without_workers_of_its_own_needs_keys_or_insecure_even_on_loopback():
+    with pytest.raises(ValueError, match=r"the worker links need --curve-keys DIR.*`siding keys"):
+        CoordinatorConfig(spawn_workers=False)
+    CoordinatorConfig(spawn_workers=False, curve_keys="/etc/siding/keys")
+    CoordinatorConfig(spawn_workers=False, insecure=True)
+    CoordinatorConfig()  # `launch` makes keys for the links of the workers it starts
 
 
 def test_generate_keys_writes_two_keypairs_with_private_secrets_and_never_overwrites(tmp_path):
