@@ -120,7 +120,7 @@ def test_bad_input_does_not_disturb_a_request_in_flight(cluster):
     result = {}
 
     def good():
-        with Client(cluster.endpoint, timeout=120) as c:
+        with Client(cluster.endpoint, timeout=600) as c:
             result["r"] = c.generate("The capital of France is", max_tokens=24, ignore_eos=True)
 
     t = threading.Thread(target=good)

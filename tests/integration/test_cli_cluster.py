@@ -70,7 +70,7 @@ def test_ctrl_c_on_the_launch_drains_without_respawning_and_exits_0():
         got: dict = {}
 
         def one() -> None:
-            with Client(cluster.endpoint, timeout=120) as c:
+            with Client(cluster.endpoint, timeout=600) as c:
                 got["r"] = c.generate(prompt_token_ids=[1, 2, 3], max_tokens=300,
                                       ignore_eos=True)
 

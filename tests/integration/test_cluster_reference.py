@@ -27,7 +27,7 @@ def hf_greedy(hf_reference, ids: list[int], n: int, stop_at_eos: bool = False) -
 
 
 def test_capital_of_france_is_paris(cluster):
-    with Client(cluster.endpoint, timeout=120) as c:
+    with Client(cluster.endpoint, timeout=600) as c:
         r = c.generate("The capital of France is", max_tokens=8)
     assert "Paris" in r.text
     assert r.finish_reason in ("length", "stop")
@@ -36,7 +36,7 @@ def test_capital_of_france_is_paris(cluster):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_tokens_equal_the_hf_reference(cluster, hf_reference, prompt):
     tokenizer = hf_reference.tokenizer
-    with Client(cluster.endpoint, timeout=120) as c:
+    with Client(cluster.endpoint, timeout=600) as c:
         r = c.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
     assert r.prompt_token_ids == tokenizer(prompt).input_ids
     assert r.token_ids == hf_greedy(hf_reference, r.prompt_token_ids, MAX_TOKENS)
@@ -44,7 +44,7 @@ def test_greedy_tokens_equal_the_hf_reference(cluster, hf_reference, prompt):
 
 def test_chat_template_prompt_equals_the_hf_reference(cluster, hf_reference):
     tokenizer = hf_reference.tokenizer
-    with Client(cluster.endpoint, timeout=120) as c:
+    with Client(cluster.endpoint, timeout=600) as c:
         r = c.chat(CHAT, max_tokens=MAX_TOKENS)
     expected_prompt = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True,
                                                     tokenize=True, return_dict=True)["input_ids"]

@@ -33,14 +33,14 @@ def wait_for_pages(endpoint: str, expected: int, timeout: float = 10.0) -> int:
 
 
 def test_32_concurrent_streaming_clients_all_complete(cluster):
-    with Client(cluster.endpoint, timeout=120) as c:
+    with Client(cluster.endpoint, timeout=600) as c:
         solo = {p: c.generate(p, max_tokens=12, ignore_eos=True).token_ids for p in PROMPTS}
     results, errors = {}, []
 
     def client(i: int) -> None:
         prompt = PROMPTS[i % len(PROMPTS)]
         try:
-            with Client(cluster.endpoint, timeout=120) as c:
+            with Client(cluster.endpoint, timeout=600) as c:
                 chunks = list(c.stream(prompt, max_tokens=12, ignore_eos=True))
             results[i] = (prompt, chunks)
         except Exception as e:  # collected and asserted below

@@ -52,7 +52,7 @@ def test_a_killed_frontend_is_restarted_and_its_streams_fail_at_once(cluster):
 
     def stream(ep: str, key: str) -> None:
         try:
-            with Client(ep, timeout=120) as c:
+            with Client(ep, timeout=600) as c:
                 n = 0
                 for chunk in c.stream(prompt_token_ids=PROMPT, max_tokens=1000, ignore_eos=True):
                     n += len(chunk.token_ids)

@@ -60,7 +60,7 @@ def test_a_flood_of_1000_requests_does_not_delay_another_clients_request(cluster
     t = threading.Thread(target=lambda: asyncio.run(flood()))
     t.start()
     assert started.wait(120), "the flood did not get going"
-    with Client(cluster.endpoint, timeout=120) as c:
+    with Client(cluster.endpoint, timeout=600) as c:
         before = len(done)
         r = c.generate(prompt_token_ids=PROMPT, max_tokens=8, ignore_eos=True)
         after = len(done)
@@ -90,7 +90,7 @@ def test_long_requests_filling_every_row_make_room_for_another_clients_request(c
     t = threading.Thread(target=lambda: asyncio.run(hog()))
     t0 = time.monotonic()
     t.start()
-    with Client(cluster.endpoint, timeout=120) as c:
+    with Client(cluster.endpoint, timeout=600) as c:
         while c.status()["requests"]["running"] < BATCH:
             time.sleep(0.05)
         r = c.generate(prompt_token_ids=PROMPT, max_tokens=8, ignore_eos=True)
@@ -102,7 +102,7 @@ def test_long_requests_filling_every_row_make_room_for_another_clients_request(c
 
 
 def test_a_burst_of_huge_requests_neither_kills_nor_delays_anyone(cluster):
-    with Client(cluster.endpoint, timeout=120) as c:
+    with Client(cluster.endpoint, timeout=600) as c:
         before = c.status()
         t0 = time.monotonic()
         c.generate(prompt_token_ids=PROMPT, max_tokens=32, ignore_eos=True)
@@ -140,20 +140,22 @@ def test_a_burst_of_huge_requests_neither_kills_nor_delays_anyone(cluster):
 
 
 def test_prompts_slow_to_tokenize_do_not_hold_back_another_clients_stream(launch):
-    """A megabyte of digits takes the real tokenizer seconds (each digit is a token); the
-    frontend does it off its loop, so a stream beside it goes on meanwhile."""
+    """A megabyte of digits takes the real tokenizer about a second of a core (each digit is a
+    token); the frontend does it off its loop, so the loop keeps turning meanwhile: an abort sent
+    after the digits is answered before the first of them is refused, and a stream beside them
+    runs to its end."""
     real = launch("--workers", "1")
     digits = "".join(random.Random(0).choice("0123456789") for _ in range(MAX_TEXT))
-    replies: dict[str, tuple[str, str]] = {}
+    replies: list[tuple[str, str, str]] = []  # (request id, code, message) as they came
 
     def read_replies(wait_ms: int) -> None:
         while len(replies) < 4 and hostile.poll(wait_ms):
             msg, _ = decode(hostile.recv_multipart())
             if isinstance(msg, Error):
-                replies[msg.request_id] = (msg.code, msg.message)
+                replies.append((msg.request_id, msg.code, msg.message))
 
-    tokens = meanwhile = 0  # meanwhile: the stream's tokens after the sends, before a refusal
-    with Client(real.endpoint, timeout=120) as c:
+    tokens = 0
+    with Client(real.endpoint, timeout=600) as c:
         hostile = zmq.Context.instance().socket(zmq.DEALER)
         hostile.connect(real.endpoint)
         for _ in c.stream("Once upon a time", max_tokens=48, ignore_eos=True):
@@ -165,19 +167,16 @@ def test_prompts_slow_to_tokenize_do_not_hold_back_another_clients_stream(launch
                 hostile.send_multipart(raw_generate({"request_id": "gone", "prompt": digits}))
                 hostile.send_multipart([VERSION, bytes([MsgType.ABORT]),
                                         msgpack.packb({"request_id": "gone"})])
-            elif tokens > 4:
-                read_replies(0)
-                meanwhile += not any(code == "too_long" for code, _ in replies.values())
+            read_replies(0)
         read_replies(60_000)
         hostile.close(0)
     assert tokens >= 48
-    # Tokenized on the frontend's loop, the first digits would have held the stream back for
-    # their seconds of tokenizing: hardly a token between the sends and the first refusal,
-    # however idle the machine. Off the loop the stream goes on, however busy.
-    assert meanwhile >= 8, meanwhile
-    assert replies.pop("gone")[0] == "aborted"
-    assert all(code == "too_long" and "tokens" in text
-               for code, text in replies.values()) and len(replies) == 3, replies
+    # Tokenized on the loop, the first digits would have kept the abort waiting behind them.
+    # The order holds however busy the machine: the abort takes the loop microseconds.
+    assert replies[0][:2] == ("gone", "aborted"), replies
+    assert sorted((rid, code) for rid, code, _ in replies[1:]) == [
+        ("d0", "too_long"), ("d1", "too_long"), ("d2", "too_long")], replies
+    assert all("tokens" in message for _, _, message in replies[1:]), replies
 
 
 def test_a_message_past_the_size_limit_never_reaches_python(cluster):
@@ -204,7 +203,7 @@ def test_a_client_past_its_queue_bound_is_refused_and_others_are_served(launch):
     t = threading.Thread(target=lambda: outcome.update(results=asyncio.run(burst())))
     t.start()
     time.sleep(0.5)
-    with Client(small.endpoint, timeout=120) as c:  # another client: its own bound
+    with Client(small.endpoint, timeout=600) as c:  # another client: its own bound
         assert len(c.generate(prompt_token_ids=PROMPT, max_tokens=4).token_ids) == 4
     t.join(300)
     refused = [e for e in outcome["results"] if isinstance(e, RequestError)]
@@ -276,7 +275,7 @@ def test_workers_killed_again_and_again_come_back_every_time(launch):
     wait longer than --worker-wait fail with worker_failed; the cluster never gives up."""
     cluster = launch("--model", "synthetic:tiny", "--worker-wait", "1.5")
     failed_meanwhile = 0
-    with Client(cluster.endpoint, timeout=120) as c:
+    with Client(cluster.endpoint, timeout=600) as c:
         for _ in range(5):  # MAX_RESTARTS is 3: the 4th and 5th back off 2 and 4 s
             deadline = time.monotonic() + 120
             while not (w := c.status()["workers"]) or not w[0]["alive"]:
@@ -302,7 +301,7 @@ def test_fake_activations_from_a_process_without_the_keys_change_nothing_and_are
     """`launch` makes keys for its own worker links: another local process cannot join them."""
     port = free_port()
     split = launch("--model", "synthetic:tiny", "--workers", "2", "--metrics-port", str(port))
-    with Client(split.endpoint, timeout=120) as c:
+    with Client(split.endpoint, timeout=600) as c:
         want, got = tokens_around_fake_activations(c, port + 2, PROMPT)
     assert got == want
 
@@ -367,7 +366,7 @@ def test_10000_fuzzed_messages_crash_nothing_and_legitimate_requests_all_succeed
     # limit runs to the context) are real work, and past 16 queued it gets `overloaded`.
     fuzzed = launch("--model", "synthetic:tiny", "--max-batch-seqs", str(BATCH),
                     "--kv-pages", "512", "--max-queued-per-client", "16")
-    with Client(fuzzed.endpoint, timeout=120) as c:
+    with Client(fuzzed.endpoint, timeout=600) as c:
         before = c.status()
         for _ in range(20):  # the core's memory once it has served for a while
             c.generate(prompt_token_ids=PROMPT, max_tokens=8)
@@ -382,7 +381,7 @@ def test_10000_fuzzed_messages_crash_nothing_and_legitimate_requests_all_succeed
     results, errors = [], []
 
     def legitimate() -> None:
-        with Client(fuzzed.endpoint, timeout=120) as c:
+        with Client(fuzzed.endpoint, timeout=600) as c:
             for i in range(20):
                 try:
                     results.append(c.generate(prompt_token_ids=PROMPT, max_tokens=8,
@@ -419,7 +418,7 @@ def test_10000_fuzzed_messages_crash_nothing_and_legitimate_requests_all_succeed
     hostile.close()  # its requests that are valid and still run are aborted
     assert replies >= 9000
     assert not errors and len(results) == 20 and all(len(r.token_ids) == 8 for r in results)
-    with Client(fuzzed.endpoint, timeout=120) as c:
+    with Client(fuzzed.endpoint, timeout=600) as c:
         deadline = time.monotonic() + 60
         while (s := c.status())["requests"]["running"] + s["requests"]["waiting"]:
             assert time.monotonic() < deadline, s["requests"]

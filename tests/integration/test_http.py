@@ -36,12 +36,12 @@ def cluster(launch, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def api(cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.http + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=cluster.http + "/v1", api_key=KEY, max_retries=0, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def zmq(cluster):
-    with Client(cluster.endpoint, timeout=120) as c:
+    with Client(cluster.endpoint, timeout=600) as c:
         yield c
 
 
@@ -375,7 +375,7 @@ def tiny(launch):
 
 @pytest.fixture(scope="module")
 def tiny_zmq(tiny):
-    with Client(tiny.endpoint, timeout=120) as c:
+    with Client(tiny.endpoint, timeout=600) as c:
         yield c
 
 

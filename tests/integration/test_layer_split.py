@@ -10,7 +10,7 @@ REQUESTS = [
 
 
 def run_all(endpoint: str) -> list[list[int]]:
-    with Client(endpoint, timeout=120) as c:
+    with Client(endpoint, timeout=600) as c:
         return [c.generate(p, ignore_eos=True, **kw).token_ids for p, kw in REQUESTS]
 
 

@@ -50,16 +50,16 @@ def test_four_times_the_pool_completes_with_parks_and_no_leaks(cluster):
 
 
 def test_park_and_restore_never_change_a_sequence(cluster, launch):
-    with Client(cluster.endpoint, timeout=120) as c:
+    with Client(cluster.endpoint, timeout=600) as c:
         plain = c.generate(PROMPTS[0], max_tokens=24, ignore_eos=True)
     churn = launch("--model", "smollm2-135m", "--workers", "2", "--preempt-every", "3")
-    with Client(churn.endpoint, timeout=120) as c:
+    with Client(churn.endpoint, timeout=600) as c:
         parked = c.generate(PROMPTS[0], max_tokens=24, ignore_eos=True)
         sampled = [c.generate(PROMPTS[1], max_tokens=16, temperature=1.0, seed=5,
                               ignore_eos=True) for _ in range(2)]
     assert parked.choices[0].preemptions >= 6
     assert parked.token_ids == plain.token_ids
-    with Client(cluster.endpoint, timeout=120) as c:
+    with Client(cluster.endpoint, timeout=600) as c:
         reference = c.generate(PROMPTS[1], max_tokens=16, temperature=1.0, seed=5,
                                ignore_eos=True)
     assert [r.token_ids for r in sampled] == [reference.token_ids] * 2
@@ -79,7 +79,7 @@ def drained(endpoint) -> bool:
 
 
 def test_aborting_parked_requests_frees_pages_and_park_slots(cluster):
-    clients = [Client(cluster.endpoint, timeout=120) for _ in range(6)]
+    clients = [Client(cluster.endpoint, timeout=600) for _ in range(6)]
     streams = [c.stream(PROMPTS[i], max_tokens=100, ignore_eos=True)
                for i, c in enumerate(clients)]
     for st in streams:
@@ -104,5 +104,5 @@ def test_a_client_vanishing_while_parked_frees_everything(cluster):
     for sock in socks:
         sock.close()
     assert wait_until(lambda: drained(cluster.endpoint), timeout=30)
-    with Client(cluster.endpoint, timeout=120) as c:
+    with Client(cluster.endpoint, timeout=600) as c:
         assert len(c.generate(PROMPTS[0], max_tokens=8, ignore_eos=True).token_ids) == 8

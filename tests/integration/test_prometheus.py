@@ -77,7 +77,7 @@ def workload(cluster, prometheus):
 
     def run(i: int) -> None:
         try:
-            with Client(cluster.endpoint, timeout=120) as c:
+            with Client(cluster.endpoint, timeout=600) as c:
                 results[i] = c.generate(prompt_token_ids=PROMPTS[i], max_tokens=MAX_TOKENS,
                                         ignore_eos=True)
         except Exception as e:  # asserted below

@@ -10,13 +10,13 @@ from protocol import Client
 
 def test_killed_worker_is_respawned_and_requests_complete(launch):
     cluster = launch("--model", "smollm2-135m", "--workers", "2")
-    with Client(cluster.endpoint, timeout=120) as c:
+    with Client(cluster.endpoint, timeout=600) as c:
         victim = c.status()["workers"][1]["pid"]
     results, errors = {}, []
 
     def run(i: int) -> None:
         try:
-            with Client(cluster.endpoint, timeout=120) as c:
+            with Client(cluster.endpoint, timeout=600) as c:
                 results[i] = list(c.stream(f"Story number {i}:", max_tokens=60, ignore_eos=True))
         except Exception as e:  # asserted below
             errors.append(e)

@@ -117,15 +117,14 @@ def curve_server(keys: Path) -> Iterator[str]:
         yield endpoint
 
 
-def answered(endpoint: str, keys_dir: Path | None, timeout: float = 5.0) -> bool:
-    with Client(endpoint, timeout=timeout, curve_keys_dir=keys_dir and str(keys_dir)) as c:
+def answered(endpoint: str, keys_dir: Path | None) -> bool:
+    """Whether a status request with `keys_dir`'s keys is answered; a refused client hears that
+    its handshake was refused (or, its connection dropped, nothing at its silence timeout)."""
+    with Client(endpoint, timeout=60, curve_keys_dir=keys_dir and str(keys_dir)) as c:
         try:
             return c.status() == {"secure": True}
         except RequestError as e:
-            assert (e.code, e.message) == (
-                ErrorCode.TIMEOUT, f"no reply from {endpoint} within {timeout:g}s (the client's "
-                "timeout; the request was aborted)"
-            )
+            assert e.code == ErrorCode.UNAVAILABLE, e
             return False
 
 
@@ -143,9 +142,9 @@ def test_only_clients_with_the_right_keys_are_answered(tmp_path):
     wrong_server = client_keys(tmp_path, "wrong-server", server_key_from=None)
     with curve_server(keys) as endpoint:
         assert answered(endpoint, keys)
-        assert not answered(endpoint, unauthorized, timeout=0.3)
-        assert not answered(endpoint, wrong_server, timeout=0.3)
-        assert not answered(endpoint, None, timeout=0.3)  # no CURVE at all
+        assert not answered(endpoint, unauthorized)
+        assert not answered(endpoint, wrong_server)
+        assert not answered(endpoint, None)  # no CURVE at all
 
 
 def test_an_authorized_directory_replaces_the_keys_beside_the_keypairs(tmp_path):
@@ -155,7 +154,7 @@ def test_an_authorized_directory_replaces_the_keys_beside_the_keypairs(tmp_path)
     shutil.copy(listed / "client.key", keys / "authorized" / "listed.key")
     with curve_server(keys) as endpoint:
         assert answered(endpoint, listed)
-        assert not answered(endpoint, keys, timeout=0.3)
+        assert not answered(endpoint, keys)
 
 
 def test_a_server_without_client_keys_refuses_to_start(tmp_path):
@@ -179,7 +178,7 @@ def test_sockets_of_one_context_each_accept_only_their_own_clients(tmp_path):
         for name in ("client.key", "client.key_secret"):
             shutil.copy(second / name, crossing / name)
         shutil.copy(first / "server.key", crossing / "server.key")
-        assert not answered(first_endpoint, crossing, timeout=0.3)
+        assert not answered(first_endpoint, crossing)
 
 
 def test_a_refused_client_hears_unavailable_at_its_silence_timeout_not_its_timeout(tmp_path):
