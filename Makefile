@@ -4,10 +4,6 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-# Test files run on this many processes at once (a file's tests together, sharing its clusters):
-# most of a cluster test's time is start-up, sleeps and waits on other processes, which a second
-# file fills on CI's two cores.
-TEST_JOBS ?= 2
 
 .PHONY: demo test bench lint clean prometheus
 
@@ -25,7 +21,7 @@ demo: $(STAMP)
 
 test: $(STAMP) prometheus
 	$(PY) -m ruff check protocol coordinator worker benchmarks tests
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=25 tests
+	$(PY) -m pytest -q --durations=25 tests
 
 bench: $(STAMP)
 	$(VENV)/bin/siding bench decode --device cpu
