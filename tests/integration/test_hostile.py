@@ -88,7 +88,6 @@ def test_long_requests_filling_every_row_make_room_for_another_clients_request(c
             await asyncio.gather(*(one() for _ in range(BATCH)))
 
     t = threading.Thread(target=lambda: asyncio.run(hog()))
-    t0 = time.monotonic()
     t.start()
     with Client(cluster.endpoint, timeout=600) as c:
         while c.status()["requests"]["running"] < BATCH:
@@ -97,8 +96,9 @@ def test_long_requests_filling_every_row_make_room_for_another_clients_request(c
         lone_end = time.monotonic()
     t.join(300)
     assert len(r.token_ids) == 8 and len(ended) == BATCH
-    # the lone request took a row within a step or two, not when the hog's ended
-    assert lone_end - t0 < 0.5 * (min(ended) - t0), (lone_end - t0, min(ended) - t0)
+    # The lone request took a row within a step or two, not when the hog's ended: it ended
+    # before the first of their some 390 tokens left, however slow the steps.
+    assert lone_end < min(ended), (lone_end, min(ended))
 
 
 def test_a_burst_of_huge_requests_neither_kills_nor_delays_anyone(cluster):
