@@ -4,17 +4,19 @@ Eager PyTorch launches some fifty kernels a layer from Python; at these sizes th
 each one long before the host has issued the next, so a step costs host time, not device time
 (about 12 ms for `synthetic:llama-1b` on an H200, against about 1 ms of kernels). A step has the
 same shapes every time for a given row count and context size, so it is captured once per (row
-bucket, split bucket) and replayed, attention and the new rows' writes included:
+bucket, split bucket) and replayed, attention and the new rows' writes included. What is
+captured is the stage's own forward pass over a `PagedStep` (worker/step.py's `StepPass`): the same
+`StageModel.run` an eager step runs, in pieces cut where the pool's hooks run,
 
-    piece 0:      embedding (or the incoming hidden rows), RoPE tables, layer 0 up to q, k, v
-    piece l + 1:  layer l's new rows into its pages (after a host pool's carried rows, the last
-                  step's, which its slot was filled without), its attention, the rest of layer l,
-                  layer l + 1 up to q, k, v                              (0 <= l < L)
-                  and on the last stage's last piece the head: the rows that sample gathered,
-                  the final norm, the logits (into one buffer all graphs share) and their
-                  argmax, the greedy tokens
+    piece j:  layers of group j (a ring slot's, or all of them): their new rows into their pages
+              (after a host pool's carried rows, the last step's, which its slot was filled
+              without), their attention, the rest of each layer; on the first piece before them
+              the embedding (or the incoming hidden rows) and the RoPE tables, and on the last
+              stage's last piece after them the head: the rows that sample gathered, the final
+              norm, the logits (into one buffer all graphs share) and their argmax, the greedy
+              tokens
 
-(captured as one graph each, or several layers' pieces to a graph: below). A step that only
+(captured as one graph each). A step that only
 takes greedy tokens needs nothing after the replay; one that draws replays a draw graph over
 the logits (`Head`, worker/draw_graphs.py).
 
@@ -27,32 +29,30 @@ whatever the step (the kernels are batch-invariant); in default mode a replayed 
 attended by the split kernel where an eager step uses the flash kernel, so its bits may differ,
 as those of any two batch shapes may.
 
-What changes from step to step is data in one fixed buffer (`StepBuffers`), written by one
-upload before the replay: positions, each row's table, the attention blocks, the rows that
-sample, each layer's page base (the slot a staging ring gives the layer this step; 0 for device
-pages) and the flat page tables (a host pool's, renumbered into its ring and on the device
-already, copied when they change). Rows are padded up to the bucket (a power of two up to
-ROW_STEP rows, then a multiple of it); a padding row writes its K and V into the pool's spare
-page, attends to nothing and is dropped. The attention is launched as the pool's attention
-launches it for the bucket (`PagedAttention.step_attention`): over the bucket's keys (a power of
-two of 256-key splits), in default mode split as an eager decode step of the same bucket; grid
-programs past a row's keys exit at once.
+What changes from step to step is data in the bucket step's fixed buffers (`PagedStep`), written by
+one upload before the replay: positions, where each row is written, each row's table, the
+attention blocks, the rows that sample, each layer's page base (the slot a staging ring gives the
+layer this step; 0 for device pages) and the flat page tables (a host pool's, renumbered into its
+ring and on the device already, copied when they change). Rows are padded up to the bucket (a
+power of two up to ROW_STEP rows, then a multiple of it). The attention is launched as the
+pool's attention launches it for the bucket (`PagedAttention.step_attention`): over the bucket's
+keys (a power of two of 256-key splits), in default mode split as an eager decode step of the
+same bucket; grid programs past a row's keys exit at once.
 
 With device KV the pieces are one graph: a step is one replay. With host KV the pool's hooks run
-between pieces: before layer l's piece waits for its slot to be delivered, after it records
-the slot's release and issues the next delivery, events a captured graph cannot wait on across
-steps. A ring whose slots hold several layers (`piece_layers`) has a piece per slot's layers,
-the hooks run for each of them around it: fewer launches, each of which costs microseconds of
-host and device time, more while the link is busy (docs/kv-pipelining.md). The ring chooses the
+between pieces: before a piece its layers wait for their slot to be delivered, after it the
+slot's release is recorded and the next delivery issued, events a captured graph cannot wait on
+across steps. A ring whose slots hold several layers (`piece_layers`) has a piece per slot:
+fewer launches, each of which costs microseconds of host and device time, more while the link
+is busy (docs/kv-pipelining.md). The ring chooses the
 slot size each step, so graphs are kept per (row bucket, split bucket, slot size). A pool's
 buffers are captured by address: when a ring reallocates its buffer, the graphs are captured
 again.
 
-The pieces run the same modules as the eager path (`Block.before_attention` /
-`after_attention`) and the same attention kernel (the pool's `PagedAttention`), so a device pool
-and a host pool, one worker or several, exact mode or not, all see the same kernels for the same
-step. `capture=False` runs the pieces eagerly over the same buffers (the CPU tests), attention
-through the pool's eager attention and the rows written as an eager step writes them.
+The pieces are the eager step's own (`step.run_eagerly`), and so are the kernels (the pool's
+`PagedAttention`): a device pool and a host pool, one worker or several, exact mode or not, all
+see the same kernels for the same step. `capture=False` runs a bucket's pieces uncaptured over
+its buffers (the CPU tests), attention through the pool's eager attention.
 """
 
 from __future__ import annotations
@@ -61,20 +61,19 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
-from itertools import chain, repeat
 from typing import Any
 
 import torch
 
 from . import cuda_driver
-from .batch import BatchMeta, ints_into
+from .batch import BatchMeta
 from .draw_graphs import DrawGraphs
-from .kernels import ATTENTION_SPLIT, Scratch, splits_bucket
+from .kernels import Scratch, splits_bucket
 from .kv.pool import Pool
-from .kv.rows import write_rows
 from .model import StageModel
+from .step import PagedStep, StepPass, layer_groups
 
 log = logging.getLogger("siding.worker")
 
@@ -97,210 +96,32 @@ class Head:
     logits: torch.Tensor  # [n, vocab] in the model's dtype (`StageModel.logits` before .float())
 
 
-class StepBuffers:
-    """A step of up to `rows` rows, in fixed buffers that the captured kernels read."""
-
-    def __init__(self, rows: int, splits: int, stage: StageModel, pool: Pool,
-                 device: torch.device, capture: bool, scratch: Scratch):
-        """scratch: the attention's partial results, shared by every graph of the worker."""
-        a = stage.args
-        self.rows, self.pool = rows, pool
-        n_layers = len(pool.layers)
-        # positions [rows] | attention positions [rows], -1 past the batch | blocks [rows, 3]
-        # (no more blocks than rows) | where each row's table starts [rows] | the rows that
-        # sample [rows] | page bases [layers] | the flat page tables (no more sequences than
-        # rows): one buffer, so one upload a step
-        self.pages_per_row = -(-splits * ATTENTION_SPLIT // pool.page_size)
-        self.ints = torch.zeros(7 * rows + n_layers + rows * self.pages_per_row,
-                                dtype=torch.int64, device=device)
-        (self.positions, self.attn_positions, blocks, self.row_tables, self.head_rows,
-         self.bases, self.tables) = self.ints.split(
-            [rows, rows, 3 * rows, rows, rows, n_layers, rows * self.pages_per_row])
-        self.blocks = blocks.view(rows, 3)
-        # captured: the Triton kernels, launched over these buffers; else the pool's eager paths
-        self.kernels = pool.attention.kernels if capture else None
-        self.attention = None  # what the captured kernels attend with
-        self.block_rows = 1  # positions of one sequence an attention block holds
-        if self.kernels is not None:
-            self.attention = pool.attention.step_attention(
-                rows, splits * ATTENTION_SPLIT, a.n_heads, a.n_kv_heads, a.head_dim, scratch)
-            self.block_rows = self.attention.block_rows
-        self.meta: BatchMeta | None = None  # the step's (for eager pieces' attention)
-        self._tables: list[torch.Tensor] | None = None  # the tables `self.tables` holds
-        self.write_page = self.write_offset = None  # [layers, rows] and [rows], set by piece 0
-        # the carried rows, their pages (-1: none) and offsets, and their pages with each
-        # layer's base [layers, rows] (set by piece 0); only for a pool that carries
-        self.carry_rows = self.carry_at = self.carry_pages = None
-        if pool.carries:
-            kvh, d = pool.k.shape[-2:]
-            self.carry_rows = torch.zeros(n_layers, 2, rows, kvh, d, dtype=pool.k.dtype,
-                                          device=device)
-            self.carry_at = torch.zeros(2, rows, dtype=torch.int64, device=device)
-        self.clear()
-
-    def clear(self) -> None:
-        """A step with no rows: what a capture runs, writing only the spare page."""
-        self.ints.zero_()
-        self.attn_positions.fill_(-1)
-        self._tables = None
-        if self.carry_at is not None:
-            self._fill_carried(None)
-
-    def fill(self, meta: BatchMeta) -> None:
-        """meta: what the pool's begin_step returned. The pool's own page ids (a device pool)
-        go up with the rest, from the host; tables renumbered into a staging ring's buffers
-        (before each layer's base) are on the device already, and the same list again means the
-        same tables (never modified in place): they are copied only when it changes."""
-        rows, block, qs = self.rows, self.block_rows, meta.query_starts
-        pad = rows - meta.n_rows
-        starts = [0]  # where each sequence's pages start in the flat tables
-        for t in meta.used_pages:
-            starts.append(starts[-1] + len(t))
-        positions, row_tables, blocks = meta.row_positions, [], []
-        for b in range(meta.n_seqs):
-            lo, hi = qs[b], qs[b + 1]
-            row_tables.extend(repeat(starts[b], hi - lo))
-            for r in range(lo, hi, block):
-                blocks += (starts[b], r, min(block, hi - r))
-        before_tables = chain(positions, repeat(0, pad), positions, repeat(-1, pad), blocks,
-                              repeat(0, 3 * rows - len(blocks)), row_tables, repeat(0, pad),
-                              meta.sample_at, repeat(0, rows - len(meta.sample_at)),
-                              self.pool.page_bases())
-        if meta.tables is None:
-            ints_into(chain(before_tables, chain.from_iterable(meta.used_pages)), self.ints)
-            self._tables = None
-        else:
-            ints_into(before_tables, self.ints)
-            if meta.tables is not self._tables:  # a host pool hands the same while they hold
-                self.tables[:starts[-1]].copy_(torch.cat(meta.tables))
-                self._tables = meta.tables
-        if self.carry_at is not None:
-            self._fill_carried(self.pool.carried)
-        self.meta = meta
-
-    def _fill_carried(self, carried) -> None:
-        if carried is None:
-            self.carry_at[0].fill_(-1)
-            return
-        rows, pages, offsets = carried
-        t = rows.shape[2]
-        self.carry_rows[:, :, :t].copy_(rows)
-        self.carry_at[:, :t].copy_(torch.stack((pages, offsets)))
-        if t < self.rows:
-            self.carry_at[0, t:].fill_(-1)
-
-    def locate_rows(self) -> None:
-        """Each row's page (with each layer's base: [layers, rows]) and offset, and the same for
-        the carried rows."""
-        # not meta's write_pages: a replay computes them on the device, from the fixed buffers
-        page = self.pool.page_size
-        pos = self.attn_positions.clamp(min=0)
-        pages = torch.where(self.attn_positions >= 0,
-                            self.tables[self.row_tables + pos // page], -1)
-        self.write_page = self._with_bases(pages)
-        self.write_offset = pos % page
-        if self.carry_at is not None:
-            self.carry_pages = self._with_bases(self.carry_at[0])
-
-    def _with_bases(self, pages: torch.Tensor) -> torch.Tensor:
-        """pages [rows] (-1: none) -> [layers, rows], each layer's base added, none on the spare
-        page."""
-        return torch.where(pages >= 0, pages + self.bases[:, None], self.pool.spare_page())
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-               ) -> torch.Tensor:
-        """Layer `layer`'s new rows into its pages (after the carried rows), then its
-        attention: [rows, H, D]."""
-        pool = self.pool
-        k_pages, v_pages = pool.layers[layer].buffers()
-        carried = None
-        if self.carry_pages is not None:
-            carried = (self.carry_rows[layer], self.carry_pages[layer], self.carry_at[1])
-        # captured (self.kernels), one launch writes them all
-        write_rows(k_pages, v_pages, k, v, self.write_page[layer], self.write_offset, carried,
-                   self.kernels)
-        base = self.bases[layer:layer + 1]
-        if self.kernels is not None:
-            out = torch.empty_like(q)
-            self.attention(q, k_pages, v_pages, self.tables, base, self.blocks,
-                           self.attn_positions, out, pool.scale)
-            return out
-        # eager pieces: the pool's own attention over the real rows, through the same bases
-        meta, n = self.meta, self.meta.n_rows
-        offset = pool.page_bases()[layer]
-        shifted = replace(meta, tables=[t + offset for t in meta.page_tables])
-        out = torch.zeros_like(q)
-        out[:n] = pool.attention(q[:n], k_pages, v_pages, shifted, pool.scale)
-        return out
-
-
 class BucketGraph:
-    """The buffers and pieces of one (row bucket, split bucket)."""
+    """The step, pass and pieces of one (row bucket, split bucket, layers a piece holds)."""
 
     def __init__(self, stage: StageModel, pool: Pool, rows: int, splits: int,
-                 device: torch.device, dtype: torch.dtype, capture: bool, scratch: Scratch,
-                 logits: torch.Tensor | None = None):
-        """logits: on the last stage, [rows, vocab] of the graphs' shared logits buffer."""
+                 groups: list[range], device: torch.device, dtype: torch.dtype, capture: bool,
+                 scratch: Scratch, logits: torch.Tensor | None = None):
+        """groups: the layers of each piece. logits: on the last stage, [rows, vocab] of the
+        graphs' shared logits buffer."""
         a = stage.args
-        self.buffers = b = StepBuffers(rows, splits, stage, pool, device, capture, scratch)
+        self.step = PagedStep(pool, rows, splits, (a.n_heads, a.n_kv_heads, a.head_dim), device,
+                         capture, scratch)
         if stage.embed is not None:
-            self.inputs = torch.zeros(rows, dtype=torch.int64, device=device)
+            inputs = torch.zeros(rows, dtype=torch.int64, device=device)
         else:
-            self.inputs = torch.zeros(rows, a.dim, dtype=dtype, device=device)
-        self.x: torch.Tensor | None = None  # hidden rows between pieces
-        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.qkv: list[tuple[torch.Tensor, ...]] = []  # each layer's q, k, v
-        self.logits = logits
-        self.greedy: torch.Tensor | None = None  # [rows] the logits' argmax, on the last stage
-        self.keep: list[Any] = []  # every piece's outputs: memory no later capture may reuse
+            inputs = torch.zeros(rows, a.dim, dtype=dtype, device=device)
+        self.step_pass = StepPass(stage, self.step, inputs, logits)
+        self.groups = groups
+        self.fns = self.step_pass.pieces(self.groups)
         self.pieces: list[Callable[[], None]] = []
         self.captured: list[torch.cuda.CUDAGraph] = []
-        layers = stage.layers
-        n = len(layers)
-
-        def first() -> None:
-            b.locate_rows()
-            self.x = stage.embed_inputs(self.inputs)
-            self.rope = stage.rope(b.positions, dtype)
-            self.qkv = [layers[0].before_attention(self.x, *self.rope)]
-
-        def layer(i: int) -> Callable[[], None]:
-            def piece() -> None:
-                attn = b.attend(i, *self.qkv[i])
-                self.x = layers[i].after_attention(self.x, attn)
-                if i + 1 < n:
-                    self.qkv.append(layers[i + 1].before_attention(self.x, *self.rope))
-                elif logits is not None:  # the head, as `StageModel.logits` before .float()
-                    out = stage.output(stage.norm(self.x.index_select(0, b.head_rows)))
-                    logits.copy_(out)
-                    self.greedy = out.argmax(dim=-1)  # the same index as in float32
-            return piece
-
-        self.fns = [first, *(layer(i) for i in range(n))]
-
-    def run(self) -> None:
-        """The whole step: what one graph holds when the pool needs no hooks."""
-        for fn in self.fns:
-            fn()
-
-    def pieces_of(self, size: int) -> list[Callable[[], None]]:
-        """Piece 0's function, then one running `size` layers' each."""
-        fns = self.fns
-
-        def joined(group: list[Callable[[], None]]) -> Callable[[], None]:
-            if len(group) == 1:
-                return group[0]
-
-            def piece() -> None:
-                for fn in group:
-                    fn()
-            return piece
-        return [fns[0], *(joined(fns[1 + a:1 + a + size]) for a in range(0, len(fns) - 1, size))]
+        self.keep: list[Any] = []  # every piece's outputs: memory no later capture may reuse
 
     def release(self) -> None:
-        """Free the captured graphs now: the closures above make this object a reference cycle,
-        which the garbage collector could otherwise free in the middle of a later capture (a
-        graph destroyed during a capture breaks it)."""
+        """Free the captured graphs now: the pieces' closures make this object a reference
+        cycle, which the garbage collector could otherwise free in the middle of a later capture
+        (a graph destroyed during a capture breaks it)."""
         for graph in self.captured:
             graph.reset()
         self.captured, self.pieces, self.fns, self.keep = [], [], [], []
@@ -380,28 +201,16 @@ class StepGraphs:
         size = self._piece_layers()  # a ring's slot size may change from step to step
         key = (self.bucket_rows(n), splits_bucket(max(meta.context_lens)), size)
         g = self.graphs.get(key) or self._build(*key)
-        g.buffers.fill(meta)
-        g.inputs[:n].copy_(inputs)
-        if not size:
-            for piece in g.pieces:
-                piece()
-        else:
-            g.pieces[0]()
-            layers = self.kv_pool.layers
-            for j, piece in enumerate(g.pieces[1:]):
-                group = range(j * size, min((j + 1) * size, len(layers)))
-                for i in group:
-                    layers[i].enter()
-                piece()
-                for i in group:
-                    _, k, v = g.qkv[i]
-                    layers[i].leave(*((k, v) if n == len(k) else (k[:n], v[:n])))
-        if g.greedy is not None:
+        g.step.fill(meta)
+        p = g.step_pass
+        p.inputs[:n].copy_(inputs)
+        p.run(g.pieces, g.groups, n)
+        if p.greedy is not None:
             s = len(meta.sample_at)
-            self.head = Head(g.greedy[:s], g.logits[:s])
+            self.head = Head(p.greedy[:s], p.logits[:s])
         else:
             self.head = None
-        return g.x[:n].clone()  # the next replay overwrites g.x
+        return p.x[:n].clone()  # the next replay overwrites p.x
 
     def _current(self) -> bool:
         """Drop graphs captured against buffers the pool has since replaced."""
@@ -420,32 +229,33 @@ class StepGraphs:
         return self.kv_pool.piece_layers
 
     def _build(self, rows: int, splits: int, size: int) -> BucketGraph:
-        g = BucketGraph(self.stage, self.kv_pool, rows, splits, self.device, self.dtype,
+        g = BucketGraph(self.stage, self.kv_pool, rows, splits,
+                        layer_groups(len(self.kv_pool.layers), size), self.device, self.dtype,
                         self.capture, self.scratch,
                         None if self.logits is None else self.logits[:rows])
         if not self.capture:
-            g.pieces = g.pieces_of(size) if size else g.fns
+            g.pieces = g.fns
         else:
             t0 = time.perf_counter()
-            g.pieces = self._capture(g, size)
+            g.pieces = self._capture(g)
             log.info("captured step graphs for %d rows, %d splits (%d pieces) in %.2fs", rows,
                      splits, len(g.pieces), time.perf_counter() - t0)
         self.graphs[rows, splits, size] = g
         return g
 
-    def _capture(self, g: BucketGraph, size: int) -> list[Callable[[], None]]:
+    def _capture(self, g: BucketGraph) -> list[Callable[[], None]]:
         # Warm-up on a side stream, as torch.cuda.graphs asks: cuBLAS workspaces, Triton
         # compilation and the allocator's first blocks all happen outside the capture. The
         # buffers hold a step without rows, which writes only the spare page.
-        g.buffers.clear()
+        g.step.clear()
         gc.collect()  # and no collection during the capture: see BucketGraph.release
         gc.disable()
         try:
-            return self._capture_pieces(g, size)
+            return self._capture_pieces(g)
         finally:
             gc.enable()
 
-    def _capture_pieces(self, g: BucketGraph, size: int) -> list[Callable[[], None]]:
+    def _capture_pieces(self, g: BucketGraph) -> list[Callable[[], None]]:
         stream = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(stream)
@@ -453,21 +263,20 @@ class StepGraphs:
             for fn in g.fns:
                 fn()
         stream.wait_stream(side)
-        fns = g.pieces_of(size) if size else [g.run]
         pieces = []
-        for fn in fns:
+        p, step = g.step_pass, g.step
+        for fn in g.fns:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.memory_pool,
                                   capture_error_mode="thread_local"):
                 fn()
             # a replay rewrites these tensors in place; the attributes the pieces set are not
             # reset by it
-            g.keep.append((g.x, g.rope, list(g.qkv), g.greedy, g.buffers.write_page,
-                           g.buffers.write_offset, g.buffers.carry_pages))
+            g.keep.append((p.x, p.rope, p.greedy, list(step.new_rows), step.write_page,
+                           step.carry_pages))
             g.captured.append(graph)
             # launched through the driver, on the stream current now (the worker's only
             # compute stream): `replay` costs several microseconds more a piece, 17 a host step
             pieces.append(partial(cuda_driver.launch_graph, graph.raw_cuda_graph_exec(),
                                   stream.cuda_stream))
         return pieces
-

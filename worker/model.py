@@ -1,14 +1,16 @@
 """The Llama-family model as plain modules, one stage (a contiguous range of layers) at a time.
 
 Tokens of every sequence in a step are concatenated (varlen layout): activations are [T, dim] and
-`positions` [T] holds each token's absolute position. Each block hands its q, k, v to a `LayerKV`
-the caller passes in, which stores the new rows and attends, so paging and kernels live outside.
+the step's `positions` [T] hold each token's absolute position. Each block hands its q, k, v to
+the step the caller passes in (`StepKV`: worker/step.py's `Step`), which stores the new rows and
+attends, so paging and kernels live outside. `StageModel.run` is the one layer loop: an eager
+step runs it, and the step graphs capture it (worker/cuda_graphs.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,10 +21,12 @@ from worker.model_args import ModelArgs
 from worker.rope import Rope, apply_rope
 
 
-class LayerKV(Protocol):
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, meta: Any) -> Tensor:
-        """q: [T, H, D], k/v: [T, KVH, D] (new rows, RoPE applied) -> [T, H, D], softmax
-        scale head_dim ** -0.5."""
+class StepKV(Protocol):
+    positions: Tensor  # [T] int64
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Layer `layer` (of the stage) stores its new rows k/v [T, KVH, D] (RoPE applied) and
+        attends: q [T, H, D] -> [T, H, D], softmax scale head_dim ** -0.5."""
         ...
 
 
@@ -96,19 +100,12 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.rms_eps)
         self.feed_forward = FeedForward(args)
 
-    # A layer is `before_attention`, the LayerKV's attend, `after_attention`; split so that
-    # worker/cuda_graphs.py can replay the parts on either side of attention from CUDA graphs.
-    def before_attention(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, ...]:
-        return self.attention.qkv(self.attention_norm(x), cos, sin)
-
-    def after_attention(self, x: Tensor, attn: Tensor) -> Tensor:
-        """x: [T, dim], the layer's input; attn: [T, H, D], what attention returned."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step: StepKV, layer: int) -> Tensor:
+        """x: [T, dim]; layer: this block's index in its stage."""
+        q, k, v = self.attention.qkv(self.attention_norm(x), cos, sin)
+        attn = step.attend(layer, q, k, v)  # [T, H, D]
         h, normed = self.ffn_norm.after_add(x, self.attention.wo(attn.reshape(x.shape[0], -1)))
         return h + self.feed_forward(normed)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV, meta: Any) -> Tensor:
-        q, k, v = self.before_attention(x, cos, sin)
-        return self.after_attention(x, kv.attend(q, k, v, meta))
 
 
 def check_layer_range(args: ModelArgs, layer_start: int, layer_end: int) -> None:
@@ -137,24 +134,33 @@ class StageModel(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if last else None
         self.rope = Rope(args.head_dim, args.rope_theta, args.rope_scaling, args.max_context)
 
-    def forward(
-        self, inputs: Tensor, positions: Tensor, kvs: Sequence[LayerKV], meta: Any
-    ) -> Tensor:
+    def forward(self, inputs: Tensor, step: StepKV) -> Tensor:
         # inputs: token ids [T] int64 on the first stage, else hidden [T, dim] -> hidden [T, dim]
-        x = self.embed_inputs(inputs)
-        cos, sin = self.rope(positions, x.dtype)
-        for layer, kv in zip(self.layers, kvs, strict=True):
-            x = layer(x, cos, sin, kv, meta)
+        x, rope = self.begin(inputs, step.positions)
+        return self.run(x, rope, step, range(len(self.layers)))
+
+    def begin(self, inputs: Tensor, positions: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """The hidden rows [T, dim] (embedded on the first stage) and the RoPE tables of
+        `positions` [T]."""
+        x = self.embed(inputs) if self.embed is not None else inputs
+        return x, self.rope(positions, x.dtype)
+
+    def run(self, x: Tensor, rope: tuple[Tensor, Tensor], step: StepKV, layers: range
+            ) -> Tensor:
+        """The stage's layers `layers` (indices within it) over x [T, dim]."""
+        for i in layers:
+            x = self.layers[i](x, *rope, step, i)
         return x
 
-    def embed_inputs(self, inputs: Tensor) -> Tensor:
-        return self.embed(inputs) if self.embed is not None else inputs
+    def head(self, hidden: Tensor) -> Tensor:
+        # hidden: [N, dim] -> [N, vocab] in the model's dtype
+        if self.output is None:
+            raise RuntimeError("logits are computed by the last stage only")
+        return self.output(self.norm(hidden))
 
     def logits(self, hidden: Tensor) -> Tensor:
         # hidden: [N, dim] -> [N, vocab] float32
-        if self.output is None:
-            raise RuntimeError("logits are computed by the last stage only")
-        return self.output(self.norm(hidden)).float()
+        return self.head(hidden).float()
 
 
 def build_stage(

@@ -15,6 +15,7 @@ from .kv.park_store import ParkStore
 from .kv.pool import Pool
 from .model import StageModel
 from .sampler import SamplingParams, sample_tokens
+from .step import PagedStep, run_eagerly
 
 
 class SequenceFault(ProtocolError):
@@ -39,6 +40,7 @@ class ModelRunner:
         self.last = stage.output is not None
         self.tables: dict[int, list[int]] = {}
         self.sampling: dict[int, SamplingParams] = {}
+        self.eager = PagedStep(pool)  # what a step that no graph replays runs over
         self.park_seconds = 0.0  # of the last applied plan
         self.head: Head | None = None  # the last forward's, where a graph replay computed it
         # each sequence's last drawn token, on the device: (the step's tokens, its place there),
@@ -122,7 +124,7 @@ class ModelRunner:
             out = self.graphs.forward(inputs, layer_meta)
             self.head = self.graphs.head
         else:
-            out = self.stage(inputs, meta.positions, self.pool.layers, layer_meta)
+            out = run_eagerly(self.stage, self.pool, layer_meta, inputs, self.eager)
         self.pool.end_step()
         return out
 

@@ -17,6 +17,7 @@ from worker.batch import build_meta
 from worker.exact import apply_exact
 from worker.kv.device_pool import KVPool
 from worker.loaders import resolve
+from worker.step import run_eagerly
 
 ROW_COUNTS = [*range(1, 71), 97, 128, 255, 333, 512]
 
@@ -130,7 +131,7 @@ def prompt_runs(exact: bool, chunkings: list[list[int]], device: str, dtype: tor
         with torch.inference_mode():
             for n in chunks:
                 meta = build_meta([start], [n], [table], [True], pool.page_size, device)
-                out.append(stage(tokens[start : start + n], meta.positions, pool.layers, meta))
+                out.append(run_eagerly(stage, pool, meta, tokens[start : start + n]))
                 start += n
         return torch.cat(out), pool.k[:, table].clone(), pool.v[:, table].clone()
 

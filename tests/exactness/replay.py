@@ -18,6 +18,7 @@ from worker.batch import build_meta
 from worker.exact import apply_exact
 from worker.kv.device_pool import KVPool
 from worker.loaders import resolve
+from worker.step import run_eagerly
 
 
 class Stages:
@@ -45,7 +46,7 @@ class Stages:
                           self.device)
         x = torch.tensor([t for ids, _, _ in rows for t in ids], device=self.device)
         for stage, pool in zip(self.stages, self.pools):
-            x = stage(x, meta.positions, pool.layers, meta)
+            x = run_eagerly(stage, pool, meta, x)
         return self.stages[-1].logits(x[meta.sample_rows])
 
     def move(self, src: list[int], dst: list[int]) -> None:

@@ -59,6 +59,17 @@ def test_silu_mul_matches_eager_within_rounding_and_keeps_a_rows_bits_alone():
     assert torch.equal(rowwise_triton.silu_mul(x[7:8]), out[7:8])
 
 
+class Given:
+    """A step whose attention returns `attn` [T, H, D], keeping the q, k, v it was given."""
+
+    def __init__(self, attn: torch.Tensor):
+        self.attn, self.qkv = attn, ()
+
+    def attend(self, layer: int, q, k, v) -> torch.Tensor:
+        self.qkv = (q, k, v)
+        return self.attn
+
+
 def test_a_stage_on_cuda_gives_the_eager_modules_hidden_states():
     """The whole layer with the kernels (the modules choose them on CUDA) against the same
     layer's modules on the CPU in float32: the kernels compute the same function."""
@@ -81,11 +92,11 @@ def test_a_stage_on_cuda_gives_the_eager_modules_hidden_states():
     x = torch.randn(50, a.dim, generator=g)
     pos = torch.arange(50)
     cos, sin = cpu.rope(pos, torch.float32)
+    gcos, gsin = gpu.rope(pos.to(DEV), torch.float32)
     for cl, gl in zip(cpu.layers, gpu.layers, strict=True):
-        q, k, v = cl.before_attention(x, cos, sin)
-        gq, gk, gv = gl.before_attention(x.to(DEV), *gpu.rope(pos.to(DEV), torch.float32))
-        for ours, ref in ((gq, q), (gk, k), (gv, v)):
-            torch.testing.assert_close(ours.cpu(), ref, rtol=1e-4, atol=1e-4)
         attn = torch.randn(50, a.n_heads, a.head_dim, generator=g)
-        torch.testing.assert_close(gl.after_attention(x.to(DEV), attn.to(DEV)).cpu(),
-                                   cl.after_attention(x, attn), rtol=1e-4, atol=1e-4)
+        c, gs = Given(attn), Given(attn.to(DEV))
+        out, gout = cl(x, cos, sin, c, 0), gl(x.to(DEV), gcos, gsin, gs, 0)
+        for ours, ref in zip(gs.qkv, c.qkv, strict=True):
+            torch.testing.assert_close(ours.cpu(), ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(gout.cpu(), out, rtol=1e-4, atol=1e-4)

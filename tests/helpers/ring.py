@@ -11,6 +11,7 @@ from worker.batch import build_meta
 from worker.kv.device_pool import KVPool
 from worker.kv.host_pool import HostKVPool
 from worker.kv.transport import CpuTransport
+from worker.step import PagedStep
 
 H, KVH, D, P = 4, 2, 16, 4
 LAYERS = 5
@@ -41,11 +42,14 @@ def run_step(pool, chunk, tables, seed: int, heads: int = H,
                       [tables[i] for i in ids], [True] * len(ids), pool.page_size, device)
     g = torch.Generator().manual_seed(seed)
     t, (kvh, d), dtype = len(meta.positions), pool.k.shape[-2:], pool.k.dtype
-    layer_meta = pool.begin_step(meta, ids)
+    step = PagedStep(pool)
+    step.fill(pool.begin_step(meta, ids))
     outs = []
-    for layer in pool.layers:
+    for i, layer in enumerate(pool.layers):
         q, k, v = (torch.randn(t, h, d, generator=g).to(device, dtype) for h in (heads, kvh, kvh))
-        outs.append(layer.attend(q, k, v, layer_meta))
+        layer.enter()
+        outs.append(step.attend(i, q, k, v))
+        layer.leave(*step.new_rows[i])
     pool.end_step()
     return outs
 

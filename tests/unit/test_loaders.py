@@ -24,9 +24,12 @@ SMOLLM2_LAYER_PARAMS = 2 * 576 + 576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1
 
 
 class CausalKV:
-    """Prefill only: the step's rows are the whole sequence."""
+    """Prefill only: the step's rows are the whole sequence, at `positions`."""
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, meta: object) -> Tensor:
+    def __init__(self, positions: Tensor):
+        self.positions = positions
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
         )
@@ -41,7 +44,7 @@ def same_params(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 def run(stages: list[StageModel], ids: list[int]) -> Tensor:
     x, positions = torch.tensor(ids), torch.arange(len(ids))
     for stage in stages:
-        x = stage(x, positions, [CausalKV() for _ in stage.layers], None)
+        x = stage(x, CausalKV(positions))
     return x
 
 

@@ -23,22 +23,25 @@ N_NEW = 12
 
 
 class DenseKV:
-    """One sequence's keys and values of one layer, attended with plain causal attention."""
+    """One sequence's keys and values of every layer, attended with plain causal attention: the
+    step a `StageModel` sees (`positions` set before each step)."""
 
-    def __init__(self) -> None:
-        self.k: Tensor | None = None
-        self.v: Tensor | None = None
+    def __init__(self, n_layers: int) -> None:
+        self.k: list[Tensor | None] = [None] * n_layers
+        self.v: list[Tensor | None] = [None] * n_layers
+        self.positions: Tensor | None = None
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, meta: object) -> Tensor:
-        self.k = k if self.k is None else torch.cat([self.k, k])
-        self.v = v if self.v is None else torch.cat([self.v, v])
-        t, s = q.shape[0], self.k.shape[0]
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        old_k, old_v = self.k[layer], self.v[layer]
+        self.k[layer] = k = k if old_k is None else torch.cat([old_k, k])
+        self.v[layer] = v = v if old_v is None else torch.cat([old_v, v])
+        t, s = q.shape[0], k.shape[0]
         # the t new queries are the last t of s positions
         mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
-            self.k.transpose(0, 1),
-            self.v.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
             attn_mask=mask,
             enable_gqa=True,
         )
@@ -48,16 +51,19 @@ class DenseKV:
 def prefill(stages: list[StageModel], ids: list[int]) -> Tensor:
     x, positions = torch.tensor(ids), torch.arange(len(ids))
     for stage in stages:
-        x = stage(x, positions, [DenseKV() for _ in stage.layers], None)
+        kv = DenseKV(len(stage.layers))
+        kv.positions = positions
+        x = stage(x, kv)
     return x
 
 
 def greedy(model: StageModel, ids: list[int], n: int, eos_ids: list[int]) -> list[int]:
-    kvs = [DenseKV() for _ in model.layers]
+    kv = DenseKV(len(model.layers))
     x, positions = torch.tensor(ids), torch.arange(len(ids))
     out: list[int] = []
     while len(out) < n:
-        hidden = model(x, positions, kvs, None)
+        kv.positions = positions
+        hidden = model(x, kv)
         token = int(model.logits(hidden[-1:]).argmax(-1))
         out.append(token)
         if token in eos_ids:

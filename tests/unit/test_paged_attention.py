@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from worker.attention import choose_attention
 from worker.batch import build_meta
 from worker.kv.device_pool import KVPool
+from worker.step import PagedStep
 
 
 def dense_reference(q, k, v, n_ctx):
@@ -29,7 +30,9 @@ def run_sequences(pool, seqs, tables, steps):
         q = torch.cat([seqs[i][0][s:s + n] for i, s, n in chunk])
         k = torch.cat([seqs[i][1][s:s + n] for i, s, n in chunk])
         v = torch.cat([seqs[i][2][s:s + n] for i, s, n in chunk])
-        o = pool.layers[0].attend(q, k, v, meta)
+        step = PagedStep(pool)
+        step.fill(meta)
+        o = step.attend(0, q, k, v)
         for b, i in enumerate(ids):
             outs[i] = o[meta.query_starts[b]:meta.query_starts[b + 1]]
     return outs

@@ -44,7 +44,8 @@ def test_pieces_draw_the_eager_steps_tokens_through_draw_graphs():
 @pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("depth", [1, 2, 3])
 def test_host_kv_through_the_pieces_matches_device_kv_bit_for_bit(exact, depth, slot_layers):
-    """With slots of several layers, a piece holds a slot's layers (the last one fewer)."""
+    """With slots of several layers, a piece holds a slot's layers (the last one fewer), the
+    first also the embedding."""
     host_runner = runner(exact, kv="host", depth=depth, slot_layers=slot_layers)
     on_device, host = run(runner(exact)), run(host_runner)
     for (h1, t1), (h2, t2) in zip(on_device, host, strict=True):
@@ -52,7 +53,7 @@ def test_host_kv_through_the_pieces_matches_device_kv_bit_for_bit(exact, depth, 
     ring = host_runner.pool.ring
     assert (ring.stats.primed_steps > 0) == (depth < ring.n_groups)
     graph = next(iter(host_runner.graphs.graphs.values()))
-    assert len(graph.pieces) == 1 + ring.n_groups
+    assert len(graph.pieces) == ring.n_groups
 
 
 def test_steps_whose_ring_takes_smaller_slots_use_pieces_of_that_size_bit_for_bit():
@@ -66,7 +67,7 @@ def test_steps_whose_ring_takes_smaller_slots_use_pieces_of_that_size_bit_for_bi
         assert torch.equal(h1, h2) and t1 == t2
     graphs = host_runner.graphs.graphs
     assert {size for _, _, size in graphs} == {1, 2}
-    assert all(len(g.pieces) == 1 + 4 // size for (_, _, size), g in graphs.items())
+    assert all(len(g.pieces) == 4 // size for (_, _, size), g in graphs.items())
     assert sum(ring.stats.declines.values()) == 0
 
 

@@ -11,7 +11,6 @@ import torch
 
 from ..attention import PagedAttention
 from ..batch import BatchMeta
-from .rows import write_rows
 
 
 class KVPool:
@@ -62,18 +61,11 @@ class KVPool:
 
 
 class LayerView:
-    """The LayerKV one Attention module sees: store this step's rows, then attend."""
+    """One layer of a KVPool: its pages, and hooks that need nothing."""
 
     def __init__(self, pool: KVPool, layer: int):
         self.pool = pool
         self.layer = layer
-
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta
-    ) -> torch.Tensor:
-        k_pages, v_pages = self.buffers()
-        write_rows(k_pages, v_pages, k, v, meta.write_pages, meta.write_offsets)
-        return self.pool.attention(q, k_pages, v_pages, meta, self.pool.scale)
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pool.k_buf[self.layer], self.pool.v_buf[self.layer]

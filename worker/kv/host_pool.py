@@ -10,8 +10,9 @@ A step:
   write pages into the slot, once (never per layer): the meta it returns, which the layers
   attend with; when the batch continues the last step's on the same pages, the ring's first
   layers were already delivered during the last step (primed);
-- each layer's `attend` takes its slot from the ring, writes the step's new rows into it,
-  attends over it with the same paged attention as the device pool, and releases it;
+- each layer's `enter` takes its slot from the ring, the step (worker/step.py) writes the
+  step's new rows into it and attends over it with the same paged attention as the device
+  pool, and `leave` releases it;
 - `end_step` copies every layer's new rows back in one device-to-host copy on the transport's
   write-back side, after the compute side has recorded that they exist (on a side of its own:
   the next step's primes copy on the transfer side while the step's last layers compute);
@@ -41,7 +42,6 @@ import torch
 from ..attention import PagedAttention
 from ..batch import BatchMeta, int64s, to_device
 from ..metrics import WorkerMetrics
-from .rows import write_rows
 from .staging_ring import BRIDGE_BYTES, StagingRing, device_free_bytes, keeps_places, pack_places
 from .transport import Transport, make_transport
 
@@ -253,32 +253,16 @@ class HostKVPool:
 
 
 class HostLayerView:
-    """The LayerKV of one layer of a HostKVPool: its slot, this step's rows, then attend."""
+    """One layer of a HostKVPool: its slot in the ring, delivered before the layer's writes and
+    reads and released after them."""
 
     def __init__(self, pool: HostKVPool, layer: int):
         self.pool = pool
         self.layer = layer
 
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta
-    ) -> torch.Tensor:
-        pool = self.pool
-        assert meta is pool.meta, "attend with the meta begin_step returned"
-        slot = self.enter()
-        k_slot, v_slot = slot[:, 0], slot[:, 1]
-        k, v = k.to(k_slot.dtype), v.to(v_slot.dtype)  # the write-back's rows too
-        carried = None
-        if pool.carried is not None:
-            rows, pages, offsets = pool.carried
-            carried = (rows[self.layer], pages, offsets)
-        write_rows(k_slot, v_slot, k, v, meta.write_pages, meta.write_offsets, carried)
-        out = pool.attention(q, k_slot, v_slot, meta, pool.scale)
-        self.leave(k, v)
-        return out
-
-    def enter(self) -> torch.Tensor:
-        """The layer's slot [n, 2, page, KVH, D] once delivered."""
-        return self.pool.ring.acquire(self.layer)
+    def enter(self) -> None:
+        """The layer's slot delivered (or, on the ordered path, copied) before what follows."""
+        self.pool.ring.acquire(self.layer)
 
     def leave(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """The layer's new rows (for the write-back) are written and its attention enqueued."""
@@ -286,6 +270,6 @@ class HostLayerView:
         self.pool.ring.release_slot(self.layer)
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole ring buffer: a captured step reads the slot through its page base."""
+        """The whole ring buffer: a step reads the layer's slot from its page base."""
         buf = self.pool.ring.buf
         return buf[:, 0], buf[:, 1]

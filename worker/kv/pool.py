@@ -1,8 +1,8 @@
 """What a KV pool is to the runner, the park store and the step graphs: `KVPool` (device pages,
 device_pool.py) and `HostKVPool` (host pages through a staging ring, host_pool.py) both are one.
 
-A step is `begin_step`, each layer's `attend` (eager) or the step graphs' pieces over the
-layers' `buffers`, between each layer's `enter` and `leave`, then `end_step`.
+A step is `begin_step`, the step's pieces (worker/step.py) over the layers' `buffers`, each
+between its layers' `enter` and `leave`, then `end_step`.
 """
 
 from __future__ import annotations
@@ -17,16 +17,11 @@ from ..batch import BatchMeta
 
 
 class PoolLayer(Protocol):
-    """One layer of a pool: the `LayerKV` its Attention module sees, and what a step graph
-    needs of it."""
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta
-               ) -> torch.Tensor:
-        """Write this step's rows k, v [T, KVH, D] where `meta` says, then attend: q [T, H, D]
-        -> [T, H, D]. meta: what the pool's `begin_step` returned."""
+    """One layer of a pool, as a step (worker/step.py) uses it."""
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V pages this layer's attention reads, [pages, page, KVH, D], by address."""
+        """The K and V pages this layer's attention reads, [pages, page, KVH, D], by address:
+        the layer's own from its page base (`page_bases`)."""
 
     def enter(self) -> Any:
         """Before the layer's writes and reads: what must precede them (a slot's delivery)."""
