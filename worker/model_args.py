@@ -1,4 +1,4 @@
-"""A Llama-family model's shape, as its checkpoint's metadata gives it. Nothing here imports
+"""A model's family and shape, as its checkpoint's metadata gives it. Nothing here imports
 torch, so the coordinator reads a model's facts (its layer count) without loading a worker."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ class ModelArgs:
     rope_theta: float
     rms_eps: float
     max_context: int
+    family: str = "llama"  # its layer's module, worker/models/<family>.py
     qkv_bias: bool = False
     tie_embeddings: bool = False
     # None, Llama 3 style (factor, low_freq_factor, high_freq_factor,

@@ -1,6 +1,6 @@
-"""A step as its layers see it: `Step`, the one per-step structure every forward pass uses,
-eager or replayed from CUDA graphs (worker/cuda_graphs.py), with the one `attend(layer, q, k,
-v)` that writes a layer's new rows into its pages and attends over them; and `StepPass`, the
+"""A step as its layers see it: `PagedStep`, the one per-step structure every forward pass
+uses, eager or replayed from CUDA graphs (worker/cuda_graphs.py), with the one `attend(layer, q,
+k, v)` that writes a layer's new rows into its pages and attends over them; and `StepPass`, the
 stage's forward pass over a step cut where the pool's hooks run.
 
 Where each row goes (its page and offset) is computed once, on the host, by `batch.build_meta`
@@ -9,7 +9,7 @@ and a layer's pages from its base in the pool's buffers. A bucket step (the step
 the same in fixed buffers that captured kernels read by address, filled by one upload before a
 replay, its rows padded to the bucket: a padding row writes its K and V into the pool's spare
 page, attends to nothing and is dropped. Its attention is the pool's `PagedAttention.
-step_attention`; `attention=False` attends through the pool's eager attention over the step's
+step_attention`; `captured=False` attends through the pool's eager attention over the step's
 real rows instead (the CPU tests of the bucket path).
 """
 

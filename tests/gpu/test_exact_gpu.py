@@ -42,7 +42,7 @@ from worker.kernels import (  # noqa: E402
     rowwise_triton,
     splits_bucket,
 )
-from worker.model import RMSNorm  # noqa: E402
+from worker.norm import RMSNorm  # noqa: E402
 
 DEV, DT = "cuda", torch.bfloat16
 # (K, N): the default model's wqkv and w2, Llama-8B's wqkv, w13, w2, and an odd size
