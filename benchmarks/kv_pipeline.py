@@ -48,12 +48,9 @@ import torch
 from coordinator.page_allocator import pages_for
 from protocol.help_formatter import HelpFormatter
 from protocol.messages import SeqPlan, Step
-from worker.attention import choose_attention
-from worker.cuda_graphs import StepGraphs
+from worker.build import build_runner, load_stage, make_pool
 from worker.kv.device_pool import KVPool
 from worker.kv.host_pool import HostKVPool
-from worker.kv.park_store import ParkStore
-from worker.kv.transport import make_transport
 from worker.loaders import resolve
 from worker.overlap import TokenCopy
 from worker.runner import ModelRunner
@@ -230,15 +227,14 @@ def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
     with step graphs of its own when `graphs`."""
     per_seq = pages_for(context + total_steps, a.page_size)  # a sequence's
     n_pages = batch * per_seq
-    shape = (args.n_layers, n_pages, a.page_size, args.n_kv_heads, args.head_dim)
     pools: dict[str, KVPool | HostKVPool] = {}
-    attention = choose_attention(False, device, args.head_dim)
     for prefix in ("", "ahead ") if a.ahead else ("",):
-        pools[prefix + "device"] = KVPool(*shape, dtype, device, attention)
+        pools[prefix + "device"] = make_pool(stage, n_pages, a.page_size, device)
         for name, depth, group in host_arms(a):
-            pools[prefix + name] = HostKVPool(
-                *shape, dtype, device, attention, depth=depth, ring_budget_mib=a.ring_budget_mib,
-                slot_layers=group, transport=make_transport(device, a.transport_delay_ms))
+            pools[prefix + name] = make_pool(
+                stage, n_pages, a.page_size, device, kv="host", depth=depth,
+                ring_budget_mib=a.ring_budget_mib, slot_layers=group,
+                delay_ms=a.transport_delay_ms)
     first = pools["ordered"]
     g = torch.Generator().manual_seed(KV_SEED)
     for layer in range(args.n_layers):  # a layer at a time: a float32 draw of it all is large
@@ -249,9 +245,8 @@ def build_arms(stage, args, context: int, total_steps: int, dtype: torch.dtype,
             pool.v.copy_(first.v)
     pages = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
     inputs = [(FIRST_TOKEN + b) % args.vocab_size for b in range(batch)]
-    return [Arm(name, ModelRunner(stage, pool, ParkStore(pool, 1), device,
-                                  StepGraphs(stage, pool, device) if graphs else None),
-                pool, pages, context, inputs, ahead=name.startswith("ahead "))
+    return [Arm(name, build_runner(stage, pool, device, graphs=graphs), pool, pages, context,
+                inputs, ahead=name.startswith("ahead "))
             for name, pool in pools.items()]
 
 
@@ -439,7 +434,7 @@ def main(argv: list[str]) -> None:
     source = resolve(a.model)
     args = source.args
     progress(SCENARIO, f"loading {a.model} ({dtype}, {device})")
-    stage = source.load_stage(0, args.n_layers, dtype, device)
+    stage = load_stage(source, dtype, device)
     graphs = a.cuda_graphs and device.type == "cuda"
     link = pinned_bandwidth(device, "h2d", nbytes=1 << 30 if device.type == "cuda" else 1 << 28)
     progress(SCENARIO, f"pinned link h2d {link.text(1e-9, 1)} GB/s")

@@ -19,14 +19,10 @@ import torch
 
 from protocol.help_formatter import HelpFormatter
 from protocol.messages import SeqPlan, Step
-from worker.attention import choose_attention
-from worker.build import resolve_dtype
+from worker.build import build_runner, load_stage, make_pool, resolve_dtype
 from worker.exact import apply_exact
-from worker.kv.device_pool import KVPool
-from worker.kv.park_store import ParkStore
 from worker.loaders import resolve
 from worker.model import ModelArgs
-from worker.runner import ModelRunner
 
 from .decode import LOWEST_PROMPT_ID, dtype_name
 from .link import sync
@@ -82,13 +78,10 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 8192) -> floa
 
 
 class SidingArm:
-    def __init__(self, stage, exact: bool, batch: int, length: int, device: torch.device,
-                 dtype: torch.dtype):
-        a = stage.args
+    def __init__(self, stage, exact: bool, batch: int, length: int, device: torch.device):
         self.per_seq = -(-length // PAGE_SIZE)
-        pool = KVPool(a.n_layers, batch * self.per_seq + 1, PAGE_SIZE, a.n_kv_heads,
-                      a.head_dim, dtype, device, choose_attention(exact, device, a.head_dim))
-        self.runner = ModelRunner(stage, pool, ParkStore(pool, 1), device)
+        pool = make_pool(stage, batch * self.per_seq + 1, PAGE_SIZE, device, exact=exact)
+        self.runner = build_runner(stage, pool, device)
         self.batch, self.length = batch, length
 
     def run(self, prompts: torch.Tensor, round_: int) -> tuple[float, list[int]]:
@@ -149,7 +142,7 @@ def main(argv: list[str]) -> None:
     if longest > args.max_context:
         raise ValueError(f"a prompt of {longest} tokens exceeds the model's {args.max_context}")
     progress(SCENARIO, f"loading {a.model} ({dtype_name(dtype)}, {device})")
-    stage = source.load_stage(0, args.n_layers, dtype, device)
+    stage = load_stage(source, dtype, device)
     hf = None
     if a.hf:
         from .hf_reference import from_stage  # transformers only when asked for
@@ -163,7 +156,7 @@ def main(argv: list[str]) -> None:
                             (max(b for b, _ in a.shapes), longest), generator=generator)
     points: list[dict[str, Any]] = []
     for b, n in a.shapes:
-        arms = {"siding": SidingArm(stage, a.exact, b, n, device, dtype)}
+        arms = {"siding": SidingArm(stage, a.exact, b, n, device)}
         if hf is not None:
             arms["hf"] = HFArm(hf, b, n, device)
         times: dict[str, list[float]] = {name: [] for name in arms}

@@ -27,11 +27,7 @@ from typing import Any
 import torch
 
 from protocol.messages import SeqPlan, Step
-from worker.attention import choose_attention
-from worker.cuda_graphs import StepGraphs
-from worker.kv.device_pool import KVPool
-from worker.kv.park_store import ParkStore
-from worker.loaders import resolve
+from worker.build import build_runner, load_stage, make_pool
 from worker.model import StageModel
 from worker.runner import ModelRunner
 
@@ -50,8 +46,7 @@ def add_ceilings(points: list[dict[str, Any]], xname: str, a: argparse.Namespace
     """Each point's in-process rates and its ratios to them, `inprocess` (decode) and
     `inprocess_work` (the same work): one measurement of each per batch size."""
     progress(scenario, f"in-process steps: loading {a.model} ({dtype_name(dtype)}, {device})")
-    source = resolve(a.model)
-    stage = source.load_stage(0, source.args.n_layers, dtype, device)
+    stage = load_stage(a.model, dtype, device)
     ceilings: dict[tuple[int, float], dict[str, Any]] = {}
     for p in points:
         batch = p[xname] if a.mode == "closed" else min(
@@ -59,7 +54,7 @@ def add_ceilings(points: list[dict[str, Any]], xname: str, a: argparse.Namespace
         for key, prompts in (("inprocess", 0.0), ("inprocess_work", batch / a.output_len)):
             if (batch, prompts) not in ceilings:
                 c = inprocess_steps(stage, batch, a.prompt_len, prompts, a.inprocess_steps,
-                                    dtype, device, a.cuda_graphs, scenario)
+                                    device, a.cuda_graphs, scenario)
                 ceilings[batch, prompts] = c
                 progress(scenario, f"in-process batch {batch}, {prompts:g} prompts a step: "
                          f"{c['tps']:.1f} tok/s (the rest of the machine: "
@@ -73,8 +68,7 @@ def add_ceilings(points: list[dict[str, Any]], xname: str, a: argparse.Namespace
 
 
 def inprocess_steps(stage: StageModel, batch: int, context: int, prompts: float, steps: int,
-                    dtype: torch.dtype, device: torch.device, cuda_graphs: bool,
-                    scenario: str) -> dict[str, Any]:
+                    device: torch.device, cuda_graphs: bool, scenario: str) -> dict[str, Any]:
     """Steps of `batch` rows that sample, as the worker runs them: a ModelRunner over device KV
     (zeros: the values do not change a step's time), graphs on CUDA. `prompts` a step on
     average (step k carries floor((k + 1) p) - floor(k p)) are prompts of `context` tokens,
@@ -89,16 +83,11 @@ def inprocess_steps(stage: StageModel, batch: int, context: int, prompts: float,
     per_prompt = -(-context // PAGE_SIZE)
     decode_pages = batch * per_seq
     # two sets of prompt pages: one step's prompts are forgotten by the next, which uses the other
-    pool = KVPool(a.n_layers, decode_pages + 2 * most * per_prompt, PAGE_SIZE, a.n_kv_heads,
-                  a.head_dim, dtype, device, choose_attention(False, device, a.head_dim))
-    graphs = None
-    if cuda_graphs and device.type == "cuda":
-        try:
-            graphs = StepGraphs(stage, pool, device,
-                                max_rows=batch + most * max(0, context - 1))
-        except ValueError as e:
-            progress(scenario, f"in-process steps run eagerly: {e}")
-    runner = ModelRunner(stage, pool, ParkStore(pool, 1), device, graphs)
+    pool = make_pool(stage, decode_pages + 2 * most * per_prompt, PAGE_SIZE, device)
+    runner = build_runner(
+        stage, pool, device, graphs=cuda_graphs and device.type == "cuda",
+        max_rows=batch + most * max(0, context - 1),
+        refused=lambda e: progress(scenario, f"in-process steps run eagerly: {e}"))
     token = LOWEST_PROMPT_ID % a.vocab_size
     last: list[int] = []  # the prompts of the step before
     paged: set[int] = set()  # decode sequences given their pages (on the first step they run)
@@ -133,7 +122,7 @@ def inprocess_steps(stage: StageModel, batch: int, context: int, prompts: float,
         rounds.append(time.perf_counter() - start)
     seconds = time.perf_counter() - t0
     others = machine_busy() - busy - (cpu_seconds(os.getpid()) - mine)
-    del runner, graphs, pool
+    del runner, pool
     if device.type == "cuda":
         torch.cuda.empty_cache()
     rates = [batch * steps / t for t in rounds]  # in the order run: a rise says warm-up was short

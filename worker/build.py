@@ -1,10 +1,12 @@
 """The worker's composition root: from a `WorkerConfig` and its place in the pipeline, the model
 stage, the KV pool, the park store, the step graphs and the runner over them. Nothing else in
-the worker reads the config; nothing here touches a socket."""
+the worker reads the config; nothing here touches a socket. Tests and benchmarks compose the
+same parts through `load_stage`, `make_pool` and `build_runner`, which `build` is made of."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,14 +16,16 @@ from protocol.messages import ModelInfo
 from protocol.worker_config import WorkerConfig, steps_ahead
 
 from .attention import choose_attention
-from .cuda_graphs import StepGraphs
+from .cuda_graphs import DEFAULT_ROWS, StepGraphs
 from .exact import apply_exact
 from .kv.device_pool import KVPool
 from .kv.host_pool import HostKVPool
 from .kv.park_store import ParkStore
+from .kv.pool import Pool
 from .kv.transport import make_transport
 from .loaders import ModelSource, check_split, resolve
 from .metrics import WorkerMetrics
+from .model import StageModel
 from .runner import ModelRunner
 
 log = logging.getLogger("siding.worker")
@@ -68,30 +72,69 @@ def build(config: WorkerConfig, rank: int, n_workers: int, device: str,
     page_bytes = 2 * (end - start) * c.page_size * args.n_kv_heads * args.head_dim * (
         dtype.itemsize)
     check_memory(c, page_bytes, device)
-    stage = source.load_stage(start, end, dtype, device)
-    if c.exact:
-        apply_exact(stage, device)
-    shape = (end - start, c.kv_pages, c.page_size, args.n_kv_heads, args.head_dim)
-    attention = choose_attention(c.exact, device, args.head_dim)
-    if c.kv == "host":
-        pool = HostKVPool(*shape, dtype, device, attention, depth=c.pipeline_depth,
-                          ring_budget_mib=c.ring_budget_mib, metrics=metrics,
-                          transport=make_transport(device, c.transport_delay_ms))
-    else:
-        pool = KVPool(*shape, dtype, device, attention)
-    park = ParkStore(pool, c.park_pages)
-    graphs = None
-    if c.cuda_graphs and torch.device(device).type == "cuda":
-        try:
-            graphs = StepGraphs(stage, pool, device, max_rows=c.max_batch_tokens)
-        except ValueError as e:
-            log.warning("steps run eagerly: %s", e)
-        else:
-            graphs.prepare()  # no request of up to PREPARED_ROWS rows pays for a capture
-    runner = ModelRunner(stage, pool, park, device, graphs)
+    stage = load_stage(source, dtype, device, layers=(start, end), exact=c.exact)
+    pool = make_pool(stage, c.kv_pages, c.page_size, device, exact=c.exact, kv=c.kv,
+                     depth=c.pipeline_depth, ring_budget_mib=c.ring_budget_mib,
+                     delay_ms=c.transport_delay_ms, metrics=metrics)
+    runner = build_runner(stage, pool, device, park_pages=c.park_pages,
+                          graphs=c.cuda_graphs and torch.device(device).type == "cuda",
+                          max_rows=c.max_batch_tokens,
+                          refused=lambda e: log.warning("steps run eagerly: %s", e))
+    if runner.graphs is not None:
+        runner.graphs.prepare()  # no request of up to PREPARED_ROWS rows pays for a capture
     return BuiltWorker(source, (start, end), dtype, runner,
                        steps_ahead(c.overlap, device, c.kv), pool.bytes_per_page,
                        busy_seconds(c.busy_poll, [device]))
+
+
+def load_stage(model: str | ModelSource, dtype: torch.dtype, device: str | torch.device, *,
+               layers: tuple[int, int] | None = None, exact: bool = False) -> StageModel:
+    """The model's layers [start, end) (None: all of them) in `dtype` on `device`; in exact
+    mode (worker/exact.py) where `exact`. model: a `--model` spec or a resolved source."""
+    source = resolve(model) if isinstance(model, str) else model
+    start, end = layers or (0, source.args.n_layers)
+    stage = source.load_stage(start, end, dtype, device)
+    if exact:
+        apply_exact(stage, device)
+    return stage
+
+
+def make_pool(stage: StageModel, n_pages: int, page_size: int, device: str | torch.device, *,
+              exact: bool = False, kv: str = "device", depth: int = 1, ring_budget_mib: int = 0,
+              slot_layers: int | None = None, delay_ms: float = 0.0,
+              metrics: WorkerMetrics | None = None) -> KVPool | HostKVPool:
+    """`n_pages` KV pages of `page_size` tokens for the stage's layers in its dtype, attended by
+    exact or default mode's paged attention. kv "device": the pages on the device; "host": in
+    host memory, delivered through a staging ring (depth, ring_budget_mib, slot_layers and
+    metrics are the ring's; delay_ms, every copy's delay, is for tests)."""
+    a = stage.args
+    shape = (len(stage.layers), n_pages, page_size, a.n_kv_heads, a.head_dim)
+    dtype = next(stage.parameters()).dtype
+    attention = choose_attention(exact, device, a.head_dim)
+    if kv == "host":
+        return HostKVPool(*shape, dtype, device, attention, depth=depth,
+                          ring_budget_mib=ring_budget_mib, metrics=metrics,
+                          transport=make_transport(device, delay_ms), slot_layers=slot_layers)
+    return KVPool(*shape, dtype, device, attention)
+
+
+def build_runner(stage: StageModel, pool: Pool, device: str | torch.device, *,
+                 park_pages: int = 1, graphs: bool = False, max_rows: int = DEFAULT_ROWS,
+                 refused: Callable[[ValueError], None] | None = None) -> ModelRunner:
+    """A runner of the stage over the pool, with a park store of `park_pages` slots. With
+    `graphs`, steps of up to `max_rows` rows run in pieces (worker/cuda_graphs.py), captured on
+    a CUDA device and eager elsewhere. Where the pieces cannot be built, their ValueError is
+    raised, or, given `refused`, handed to it and steps run eagerly."""
+    pieces = None
+    if graphs:
+        capture = torch.device(device).type == "cuda"
+        try:
+            pieces = StepGraphs(stage, pool, device, capture=capture, max_rows=max_rows)
+        except ValueError as e:
+            if refused is None:
+                raise
+            refused(e)
+    return ModelRunner(stage, pool, ParkStore(pool, park_pages), device, pieces)
 
 
 def check_memory(c: WorkerConfig, page_bytes: int, device: str) -> None:

@@ -12,11 +12,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from worker.attention import choose_attention
 from worker.batch import build_meta
-from worker.exact import apply_exact
-from worker.kv.device_pool import KVPool
-from worker.loaders import resolve
+from worker.build import load_stage, make_pool
 from worker.step import run_eagerly
 
 ROW_COUNTS = [*range(1, 71), 97, 128, 255, 333, 512]
@@ -114,19 +111,14 @@ def prompt_runs(exact: bool, chunkings: list[list[int]], device: str, dtype: tor
                 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """A `length`-token prompt prefilled in one chunk, then in each chunking: the hidden states
     and the K and V of its pages (every layer) each left."""
-    source = resolve(model)
-    a = source.args
-    stage = source.load_stage(0, a.n_layers, dtype, device)
-    if exact:
-        apply_exact(stage, device)
-    tokens = torch.randint(0, a.vocab_size, (length,),
+    stage = load_stage(model, dtype, device, exact=exact)
+    tokens = torch.randint(0, stage.args.vocab_size, (length,),
                            generator=torch.Generator().manual_seed(0))
     n_pages = -(-length // 16)
     tokens = tokens.to(device)
 
     def run(chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pool = KVPool(a.n_layers, n_pages + 5, 16, a.n_kv_heads, a.head_dim, dtype, device,
-                      choose_attention(exact, device, a.head_dim))
+        pool = make_pool(stage, n_pages + 5, 16, device, exact=exact)
         out, start, table = [], 0, [5, 2, 7, *range(8, n_pages + 5)][:n_pages]
         with torch.inference_mode():
             for n in chunks:

@@ -13,10 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.attention import choose_attention
 from worker.batch import build_meta
-from worker.exact import apply_exact
-from worker.kv.device_pool import KVPool
+from worker.build import load_stage, make_pool
 from worker.loaders import resolve
 from worker.step import run_eagerly
 
@@ -27,15 +25,11 @@ class Stages:
     def __init__(self, model: str, cuts: list[int], n_pages: int, page: int, exact: bool,
                  device: str, dtype: torch.dtype):
         source = resolve(model)
-        a = source.args
-        bounds = [0, *cuts, a.n_layers]
-        self.stages = [source.load_stage(s, e, dtype, device) for s, e in zip(bounds, bounds[1:])]
-        if exact:
-            for stage in self.stages:
-                apply_exact(stage, device)
-        attention = choose_attention(exact, device, a.head_dim)
-        self.pools = [KVPool(e - s, n_pages, page, a.n_kv_heads, a.head_dim, dtype, device,
-                             attention) for s, e in zip(bounds, bounds[1:])]
+        bounds = [0, *cuts, source.args.n_layers]
+        self.stages = [load_stage(source, dtype, device, layers=layers, exact=exact)
+                       for layers in zip(bounds, bounds[1:])]
+        self.pools = [make_pool(stage, n_pages, page, device, exact=exact)
+                      for stage in self.stages]
         self.page, self.device = page, device
 
     @torch.inference_mode()

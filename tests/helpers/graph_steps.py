@@ -5,14 +5,7 @@ by different amounts, and every step's hidden rows and tokens."""
 import torch
 
 from protocol.messages import SeqPlan, Step
-from worker.attention import choose_attention
-from worker.cuda_graphs import StepGraphs
-from worker.exact import apply_exact
-from worker.kv.device_pool import KVPool
-from worker.kv.host_pool import HostKVPool
-from worker.kv.park_store import ParkStore
-from worker.kv.transport import CpuTransport, CudaTransport
-from worker.loaders.synthetic import SyntheticSource
+from worker.build import build_runner, load_stage, make_pool
 from worker.runner import ModelRunner
 from worker.sampler import SamplingParams
 
@@ -85,18 +78,7 @@ def runner(exact: bool, kv: str = "device", graphs: bool = True, device: str = "
            slot_layers: int | None = 1) -> ModelRunner:
     """On a CUDA device the pieces are captured graphs and the host pool's copies go on a
     transfer stream; on the CPU the pieces run eagerly and copies go through the copy thread."""
-    source = SyntheticSource("tiny")
-    a = source.args
-    stage = source.load_stage(0, a.n_layers, dtype, device)
-    if exact:
-        apply_exact(stage, device)
-    shape = (a.n_layers, n_pages, PAGE, a.n_kv_heads, a.head_dim)
-    attention = choose_attention(exact, device, a.head_dim)
-    if kv == "host":
-        transport = CudaTransport(device, 0.5) if device != "cpu" else CpuTransport(0.5)
-        pool = HostKVPool(*shape, dtype, device, attention, depth=depth, transport=transport,
-                          slot_layers=slot_layers)
-    else:
-        pool = KVPool(*shape, dtype, device, attention)
-    pieces = StepGraphs(stage, pool, device, capture=device != "cpu") if graphs else None
-    return ModelRunner(stage, pool, ParkStore(pool, 4), device, pieces)
+    stage = load_stage("synthetic:tiny", dtype, device, exact=exact)
+    pool = make_pool(stage, n_pages, PAGE, device, exact=exact, kv=kv, depth=depth,
+                     slot_layers=slot_layers, delay_ms=0.5)
+    return build_runner(stage, pool, device, park_pages=4, graphs=graphs)

@@ -8,16 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.ring import pools
 
 from protocol.messages import PageMove, SeqPlan, Step, StepError, StepResult
 from protocol.worker_config import STEPS_AHEAD, WorkerConfig, steps_ahead
+from worker.build import build_runner, load_stage, make_pool
 from worker.executor import StepExecutor
-from worker.kv.park_store import ParkStore
-from worker.loaders.synthetic import SyntheticSource
-from worker.runner import ModelRunner
+from worker.loaders import resolve
 
-PAGE = 4  # the page size of helpers.ring's pools, which these tests borrow
+PAGE = 4  # tokens a page, as the plans' page tables assume
 
 
 def test_steps_ahead_two_on_a_cuda_device_with_device_kv_else_one():
@@ -58,13 +56,9 @@ def plans_past_an_end() -> list[Step]:
 
 
 def decode_run(kv: str, depth: int, wasted: bool) -> list[tuple[torch.Tensor, list[int]]]:
-    source = SyntheticSource("tiny")
-    a = source.args
-    stage = source.load_stage(0, a.n_layers, torch.float32, "cpu")
-    device, host = pools(depth, delay_ms=0.3, n_pages=16,
-                         shape=(a.n_layers, PAGE, a.n_kv_heads, a.head_dim))
-    pool = host if kv == "host" else device
-    runner = ModelRunner(stage, pool, ParkStore(pool, 4), "cpu")
+    stage = load_stage("synthetic:tiny", torch.float32, "cpu")
+    pool = make_pool(stage, 16, PAGE, "cpu", kv=kv, depth=depth, slot_layers=1, delay_ms=0.3)
+    runner = build_runner(stage, pool, "cpu", park_pages=4)
     out = []
     for plan in plans_past_an_end():
         plan.token_ids = [50 + 7 * plan.step + s.id + j for s in plan.seqs for j in range(s.n)]
@@ -92,12 +86,8 @@ def test_rows_computed_for_nothing_leave_no_trace(kv, depth):
 def whole_model_executor(ahead: int) -> tuple[StepExecutor, list, list[str]]:
     """An executor over the whole tiny model and a pool of 16 pages, taking plans `ahead`; what
     it sends the coordinator, and where each step was enqueued."""
-    source = SyntheticSource("tiny")
-    a = source.args
-    stage = source.load_stage(0, a.n_layers, torch.float32, "cpu")
-    device, _ = pools(0, delay_ms=0.0, n_pages=16,
-                      shape=(a.n_layers, PAGE, a.n_kv_heads, a.head_dim))
-    runner = ModelRunner(stage, device, ParkStore(device, 4), "cpu")
+    stage = load_stage("synthetic:tiny", torch.float32, "cpu")
+    runner = build_runner(stage, make_pool(stage, 16, PAGE, "cpu"), "cpu", park_pages=4)
     sent, outcomes = [], []
     metrics = SimpleNamespace(forward=lambda seconds: None, ahead=outcomes.append)
     return StepExecutor(runner, 0, torch.float32, ahead, metrics, sent.append, None), sent, \
@@ -161,12 +151,10 @@ def test_a_row_on_a_token_the_worker_did_not_draw_fails_its_sequence_alone():
 
 
 def test_a_stage_of_a_layer_split_runs_plain_steps_whatever_its_overlap():
-    source = SyntheticSource("tiny")
+    source = resolve("synthetic:tiny")
     a = source.args
-    stage = source.load_stage(0, a.n_layers // 2, torch.float32, "cpu")
-    device, _ = pools(0, delay_ms=0.0, n_pages=16,
-                      shape=(a.n_layers // 2, PAGE, a.n_kv_heads, a.head_dim))
-    runner = ModelRunner(stage, device, ParkStore(device, 4), "cpu")
+    stage = load_stage(source, torch.float32, "cpu", layers=(0, a.n_layers // 2))
+    runner = build_runner(stage, make_pool(stage, 16, PAGE, "cpu"), "cpu", park_pages=4)
     errors, forwarded = [], []
     ex = StepExecutor(runner, 0, torch.float32, STEPS_AHEAD,
                       SimpleNamespace(forward=lambda seconds: None, ahead=errors.append),

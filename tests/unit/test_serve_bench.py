@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks import client_procs, proc_cpu, serve, serve_ceiling, serve_load
-from worker.loaders import resolve
+from worker import build
 
 
 def test_poisson_arrivals_repeat_with_the_seed_and_average_the_rate():
@@ -194,11 +194,9 @@ def test_the_same_work_ceiling_mixes_the_loops_prompts_into_its_steps(monkeypatc
             plans.append(plan)
             return super().apply(plan)
 
-    monkeypatch.setattr(serve_ceiling, "ModelRunner", Recording)
-    source = resolve("synthetic:tiny")
-    stage = source.load_stage(0, source.args.n_layers, torch.float32, torch.device("cpu"))
-    c = serve_ceiling.inprocess_steps(stage, 3, 20, 1.5, 2, torch.float32, torch.device("cpu"),
-                                      False, "test")
+    monkeypatch.setattr(build, "ModelRunner", Recording)
+    stage = build.load_stage("synthetic:tiny", torch.float32, torch.device("cpu"))
+    c = serve_ceiling.inprocess_steps(stage, 3, 20, 1.5, 2, torch.device("cpu"), False, "test")
     assert c["tps"] > 0 and len(plans) == serve_ceiling.INPROCESS_WARMUP + 3 * 2
     prompts = [[s for s in p.seqs if s.n > 1] for p in plans]
     assert [len(x) for x in prompts] == [1, 2, 1, 2, 1, 2, 1, 2, 1, 2]

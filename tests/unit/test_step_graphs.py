@@ -9,10 +9,8 @@ import torch
 from helpers.graph_steps import PAGE, SAMPLING, run, runner
 
 from protocol.messages import SeqPlan, Step
-from worker.attention import choose_attention
+from worker.build import load_stage, make_pool
 from worker.cuda_graphs import DEFAULT_ROWS, MAX_ROWS, PREPARED_ROWS, StepGraphs
-from worker.kv.device_pool import KVPool
-from worker.loaders.synthetic import SyntheticSource
 
 
 def test_pieces_match_the_eager_forward_bit_for_bit_in_exact_mode():
@@ -96,11 +94,8 @@ def test_a_step_of_more_rows_than_the_largest_bucket_runs_eagerly_with_the_same_
 
 
 def test_capture_needs_a_cuda_device():
-    source = SyntheticSource("tiny")
-    a = source.args
-    stage = source.load_stage(0, a.n_layers, torch.float32, "cpu")
-    pool = KVPool(a.n_layers, 8, PAGE, a.n_kv_heads, a.head_dim, torch.float32, "cpu",
-                  choose_attention(False, "cpu", a.head_dim))
+    stage = load_stage("synthetic:tiny", torch.float32, "cpu")
+    pool = make_pool(stage, 8, PAGE, "cpu")
     with pytest.raises(ValueError, match="cuda device"):
         StepGraphs(stage, pool, "cpu")
 

@@ -4,9 +4,10 @@ import torch
 from protocol.errors import ProtocolError
 from protocol.messages import PageMove, SeqPlan, Step
 from worker.attention import choose_attention
+from worker.build import build_runner
 from worker.kv.device_pool import KVPool
 from worker.kv.park_store import ParkStore
-from worker.runner import ModelRunner, SequenceFault
+from worker.runner import SequenceFault
 
 
 def filled_pool() -> KVPool:
@@ -55,7 +56,7 @@ def test_runner_names_the_sequence_of_a_corrupt_restore():
     class Stage:  # the runner only needs to know which ends of the model it holds
         embed = output = None
 
-    runner = ModelRunner(Stage(), pool, ParkStore(pool, 6), "cpu")
+    runner = build_runner(Stage(), pool, "cpu", park_pages=6)
     runner.apply(Step(step=0, park=[PageMove(id=3, pages=[1, 2], slots=[0, 1])]))
     bad = Step(step=1, restore=[PageMove(id=3, pages=[4, 5], slots=[2, 3])],
                seqs=[SeqPlan(id=3, start=8, n=1)])
@@ -83,7 +84,7 @@ def test_a_restore_of_resident_pages_only_sets_the_table_and_forgets_the_park():
     class Stage:
         embed = output = None
 
-    runner = ModelRunner(Stage(), pool, ParkStore(pool, 6), "cpu")
+    runner = build_runner(Stage(), pool, "cpu", park_pages=6)
     runner.apply(Step(step=0, park=[PageMove(id=3, pages=[1, 2], slots=[0, 1])]))
     runner.apply(Step(step=1, restore=[PageMove(id=3, pages=[6], slots=[1], kept=[4])]))
     assert runner.tables[3] == [4, 6]

@@ -24,12 +24,11 @@ from helpers.ring import (
 
 from protocol.messages import PageCopy, PageMove, SeqPlan, Step
 from worker.attention import choose_attention
+from worker.build import build_runner, load_stage, make_pool
 from worker.kv.device_pool import KVPool
 from worker.kv.host_pool import HostKVPool
 from worker.kv.park_store import ParkStore
 from worker.kv.staging_ring import keeps_places, pack
-from worker.loaders.synthetic import SyntheticSource
-from worker.runner import ModelRunner
 
 ATTENTION = choose_attention(False, "cpu", D)
 
@@ -341,13 +340,11 @@ def runner_steps() -> list[Step]:
 
 @pytest.mark.parametrize("depth", [0, 2])
 def test_model_runner_hidden_states_and_tokens_match_the_device_pool(depth):
-    source = SyntheticSource("tiny")
-    a = source.args
-    stage = source.load_stage(0, a.n_layers, torch.float32, "cpu")
+    stage = load_stage("synthetic:tiny", torch.float32, "cpu")
     results = []
-    for pool in pools(depth, delay_ms=1.0, n_pages=24,
-                      shape=(a.n_layers, P, a.n_kv_heads, a.head_dim)):
-        runner = ModelRunner(stage, pool, ParkStore(pool, 4), "cpu")
+    for kv in ("device", "host"):
+        pool = make_pool(stage, 24, P, "cpu", kv=kv, depth=depth, slot_layers=1, delay_ms=1.0)
+        runner = build_runner(stage, pool, "cpu", park_pages=4)
         last: dict[int, int] = {1: 7, 2: 9, 3: 11}
         out = []
         for plan in runner_steps():
