@@ -150,9 +150,10 @@ def test_a_closed_loop_run_streams_every_token_and_charges_the_core_cpu(tmp_path
                                                                         monkeypatch):
     """Through both APIs on one cluster: siding's client and the OpenAI API. With any client
     CPU, none included, counted as saturation, every point carries the verdict and the output
-    says what to do."""
+    says what to do. Each client makes 3 requests after the warm-up, however long they take (a
+    3-second window saw none finish on a machine busy with other work)."""
     monkeypatch.setattr(client_procs, "SATURATED", -1.0)
-    serve.main(["--model", "synthetic:tiny", "--concurrency", "2", "--duration", "3",
+    serve.main(["--model", "synthetic:tiny", "--concurrency", "2", "--requests-per-client", "3",
                 "--warmup", "1", "--output-len", "8", "--prompt-len", "16", "--api", "zmq,http",
                 "--inprocess-steps", "4", "--out", str(tmp_path)])
     (path,) = tmp_path.glob("serve-*.json")
