@@ -146,6 +146,10 @@ class StepGraphs:
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a cuda device, not {self.device}")
         head_dim = stage.args.head_dim
+        held = {type(m).__name__ for m in stage.modules() if not getattr(m, "capturable", True)}
+        if capture and held:
+            raise ValueError(f"CUDA graphs do not capture {', '.join(sorted(held))} layers, "
+                             "which read on the host what a step routes where")
         if capture and pool.attention.kernels is None:
             raise ValueError("CUDA graphs capture the Triton paged attention, which needs "
                              f"Triton and a power-of-two head size (not {head_dim})")

@@ -1,12 +1,12 @@
 """Exact mode, switched on in one place: batch-invariant kernels around an unchanged model.
 
 `apply_exact(stage, device)` swaps the forward of each module whose arithmetic would depend on
-the other rows of its launch (every Linear), as gpt-fast's `apply_tp` does for tensor
-parallelism; `exact_attention(device)` is the paged attention a worker chooses in exact mode
-(`worker.attention.choose_attention`). On CUDA RMSNorm (whose reduction torch splits by shape
-there) needs no swap: every mode runs it as the row-per-program Triton kernel (worker/model.py),
-and default mode attends with the same paged kernel too, so there exact mode changes only the
-matmuls.
+the other rows of its launch (every Linear, and the experts' products of a mixture of experts),
+as gpt-fast's `apply_tp` does for tensor parallelism; `exact_attention(device)` is the paged
+attention a worker chooses in exact mode (`worker.attention.choose_attention`). On CUDA RMSNorm
+(whose reduction torch splits by shape there) needs no swap: every mode runs it as the
+row-per-program Triton kernel (worker/norm.py), and default mode attends with the same paged
+kernel too, so there exact mode changes only the matmuls.
 docs/exact-mode.md says what is guaranteed and how each kernel keeps it.
 """
 
@@ -20,6 +20,7 @@ from torch import nn
 
 from .kernels import exact_cpu, triton_module
 from .model import StageModel
+from .models.moe import SparseMoE
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -33,6 +34,9 @@ def apply_exact(stage: StageModel, device: torch.device | str) -> None:
     linear = exact_linear(device)
     if device.type == "cpu":
         weights = {m.weight.shape: m.weight for m in stage.modules() if isinstance(m, nn.Linear)}
+        for m in stage.modules():
+            if isinstance(m, SparseMoE):
+                weights.update({w.shape[1:]: w[0] for w in (m.w13, m.w2)})
         for w in weights.values():
             exact_cpu.check_row_invariance(w)
     elif stage.args.head_dim & (stage.args.head_dim - 1):
@@ -41,6 +45,8 @@ def apply_exact(stage: StageModel, device: torch.device | str) -> None:
     for m in stage.modules():
         if isinstance(m, nn.Linear):
             m.forward = partial(linear, weight=m.weight, bias=m.bias)
+        elif isinstance(m, SparseMoE):
+            m.linear = linear
 
 
 def exact_linear(device: torch.device) -> Callable[..., torch.Tensor]:

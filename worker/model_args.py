@@ -22,6 +22,12 @@ class ModelArgs:
     max_context: int
     family: str = "llama"  # its layer's module, worker/models/<family>.py
     qkv_bias: bool = False
+    # a mixture-of-experts feed-forward (worker/models/moe.py): experts, chosen per token, each
+    # expert's hidden size, whether the chosen experts' weights are renormalised to sum to 1
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn_dim: int = 0
+    norm_topk_prob: bool = True
     tie_embeddings: bool = False
     # None, Llama 3 style (factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings), or {"freq_factors": [head_dim // 2 divisors of the
@@ -47,5 +53,7 @@ class ModelArgs:
                 raise ValueError(
                     f"rope_scaling {scaling} lacks {missing}; only Llama 3 scaling is supported"
                 )
+        if self.n_experts and not 0 < self.experts_per_token <= self.n_experts:
+            raise ValueError(f"{self.experts_per_token} experts a token of {self.n_experts}")
         self.q_dim = self.n_heads * self.head_dim
         self.kv_dim = self.n_kv_heads * self.head_dim

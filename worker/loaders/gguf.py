@@ -1,4 +1,5 @@
-"""GGUF files of the Llama family (llama, qwen2 architectures), dequantized to the run dtype.
+"""GGUF files (llama, with experts Mixtral's; qwen2, qwen3, qwen3moe), dequantized to the run
+dtype.
 
 The header is read by `gguf_header.py`; tensor bytes are sliced from one read-only mmap and
 dequantized with `gguf.quants.dequantize`.
@@ -22,8 +23,10 @@ from worker.loaders.gguf_header import read_header
 from worker.model import ModelArgs, StageModel, build_stage, check_layer_range
 from worker.tokenizer import TokenizerInfo, gguf_tokenizer
 
-# architecture -> (q/k stored permuted for llama.cpp's interleaved rope, qkv has a bias)
-ARCHITECTURES = {"llama": (True, False), "qwen2": (False, True)}
+# architecture -> (q/k stored permuted for llama.cpp's interleaved rope, qkv has a bias, model
+# family: worker/models/; llama's with experts is Mixtral's)
+ARCHITECTURES = {"llama": (True, False, "llama"), "qwen2": (False, True, "llama"),
+                 "qwen3": (False, False, "qwen3"), "qwen3moe": (False, False, "qwen3_moe")}
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -49,11 +52,11 @@ class GGUFSource:
                 f"{self.path}: GGUF architecture {arch!r} is not supported; supported: "
                 f"{', '.join(ARCHITECTURES)}"
             )
-        self._permuted, qkv_bias = ARCHITECTURES[arch]
-        self.args = self._args(arch, qkv_bias)
+        self._permuted, qkv_bias, family = ARCHITECTURES[arch]
+        self.args = self._args(arch, qkv_bias, family)
         self._tokenizer: TokenizerInfo | None = None
 
-    def _args(self, arch: str, qkv_bias: bool) -> ModelArgs:
+    def _args(self, arch: str, qkv_bias: bool, family: str) -> ModelArgs:
         meta = self.meta
 
         def fact(key: str, default: Any = None) -> Any:
@@ -73,6 +76,16 @@ class GGUFSource:
             rope_scaling = {"freq_factors": [factor] * (head_dim // 2)}
         elif scaling_type != "none":
             raise ValueError(f"{self.path}: rope scaling {scaling_type!r} is not supported")
+        experts = {}
+        if (n_experts := meta.get(f"{arch}.expert_count", 0)):
+            family = "mixtral" if family == "llama" else family
+            experts = {"n_experts": n_experts, "experts_per_token": fact("expert_used_count"),
+                       "expert_ffn_dim": fact("expert_feed_forward_length",
+                                              meta.get(f"{arch}.feed_forward_length")),
+                       # llama.cpp renormalises the chosen experts' weights unless told not to
+                       "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True))}
+        elif family == "qwen3_moe":
+            raise ValueError(f"{self.path}: GGUF metadata lacks {arch}.expert_count")
         if "rope_freqs.weight" in self._tensors:
             # llama.cpp's form of Llama 3 scaling
             rope_scaling = {"freq_factors": self._read("rope_freqs.weight").tolist()}
@@ -82,7 +95,7 @@ class GGUFSource:
             n_heads=n_heads,
             n_kv_heads=fact("attention.head_count_kv", n_heads),
             head_dim=head_dim,
-            ffn_dim=fact("feed_forward_length"),
+            ffn_dim=fact("feed_forward_length", 0 if experts else None),
             vocab_size=fact("vocab_size", self._tensors["token_embd.weight"][0][0]),
             rope_theta=float(fact("rope.freq_base", 10000.0)),
             rms_eps=float(fact("attention.layer_norm_rms_epsilon")),
@@ -90,6 +103,8 @@ class GGUFSource:
             qkv_bias=qkv_bias,
             tie_embeddings="output.weight" not in self._tensors,
             rope_scaling=rope_scaling,
+            family=family,
+            **experts,
         )
 
     @property
@@ -140,13 +155,21 @@ class GGUFSource:
             t[p + "attention.wqkv.weight"] = self._qkv(i, "weight", dtype, device)
             if a.qkv_bias:
                 t[p + "attention.wqkv.bias"] = self._qkv(i, "bias", dtype, device)
+            if a.family in ("qwen3", "qwen3_moe"):
+                for x in "qk":
+                    t[p + f"attention.{x}_norm.weight"] = self._tensor(
+                        g + f"attn_{x}_norm.weight", dtype, device)
             t[p + "attention.wo.weight"] = self._tensor(g + "attn_output.weight", dtype, device)
             t[p + "ffn_norm.weight"] = self._tensor(g + "ffn_norm.weight", dtype, device)
-            gate_up = [self._read(g + "ffn_gate.weight"), self._read(g + "ffn_up.weight")]
-            t[p + "feed_forward.w13.weight"] = torch.from_numpy(np.concatenate(gate_up)).to(
-                device=device, dtype=dtype
-            )
-            t[p + "feed_forward.w2.weight"] = self._tensor(g + "ffn_down.weight", dtype, device)
+            f, exps = p + "feed_forward.", "_exps" if a.n_experts else ""
+            if a.n_experts:  # [experts, rows, columns]: stacked as the model keeps them
+                t[f + "router.weight"] = self._tensor(g + "ffn_gate_inp.weight", dtype, device)
+            gate_up = [self._read(g + f"ffn_gate{exps}.weight"),
+                       self._read(g + f"ffn_up{exps}.weight")]
+            t[f + ("w13" if a.n_experts else "w13.weight")] = torch.from_numpy(
+                np.concatenate(gate_up, axis=-2)).to(device=device, dtype=dtype)
+            t[f + ("w2" if a.n_experts else "w2.weight")] = self._tensor(
+                g + f"ffn_down{exps}.weight", dtype, device)
         if layer_end == a.n_layers:
             t["norm.weight"] = self._tensor("output_norm.weight", dtype, device)
             if not a.tie_embeddings:

@@ -1,4 +1,4 @@
-"""Random weights of named Llama shapes, for tests and for benchmarks without checkpoints.
+"""Random weights of named model shapes, for tests and for benchmarks without checkpoints.
 
 Each tensor is drawn on the CPU from a generator seeded by (model name, tensor name with its
 global layer number), so any layer split yields the same weights on every machine.
@@ -12,7 +12,6 @@ import hashlib
 import torch
 from torch import Tensor
 
-from worker.loaders import progress
 from worker.loaders.synthetic_shapes import named_shape
 from worker.model import StageModel, build_stage, check_layer_range
 from worker.tokenizer import TokenizerInfo, byte_level_tokenizer
@@ -51,32 +50,19 @@ class SyntheticSource:
     ) -> StageModel:
         a = self.args
         check_layer_range(a, layer_start, layer_end)
-        shapes = {
-            "attention_norm.weight": (a.dim,),
-            "attention.wqkv.weight": (a.q_dim + 2 * a.kv_dim, a.dim),
-            "attention.wo.weight": (a.dim, a.q_dim),
-            "ffn_norm.weight": (a.dim,),
-            "feed_forward.w13.weight": (2 * a.ffn_dim, a.dim),
-            "feed_forward.w2.weight": (a.dim, a.ffn_dim),
-        }
-        if a.qkv_bias:
-            shapes["attention.wqkv.bias"] = (a.q_dim + 2 * a.kv_dim,)
+        first, last = layer_start == 0, layer_end == a.n_layers
+        with torch.device("meta"):  # the family's parameters, by name and shape
+            names = StageModel(a, layer_start, layer_end, first, last).state_dict()
         t = {}
-        if layer_start == 0:
-            t["embed.weight"] = self._tensor("embed.weight", (a.vocab_size, a.dim), dtype, device)
-        for i in progress.layers(layer_start, layer_end):
-            for key, shape in shapes.items():
-                t[f"layers.{i - layer_start}.{key}"] = self._tensor(
-                    f"layers.{i}.{key}", shape, dtype, device
-                )
-        if layer_end == a.n_layers:
-            t["norm.weight"] = self._tensor("norm.weight", (a.dim,), dtype, device)
-            if not a.tie_embeddings:
-                t["output.weight"] = self._tensor(
-                    "output.weight", (a.vocab_size, a.dim), dtype, device
-                )
-            elif layer_start > 0:
-                t["output.weight"] = self._tensor(
-                    "embed.weight", (a.vocab_size, a.dim), dtype, device
-                )
+        for name, meta in names.items():
+            if name.startswith("layers."):  # drawn by the full model's layer number
+                i, rest = name.removeprefix("layers.").split(".", 1)
+                drawn = f"layers.{int(i) + layer_start}.{rest}"
+            elif name == "output.weight" and a.tie_embeddings:
+                if first:
+                    continue  # build_stage shares the embedding's
+                drawn = "embed.weight"
+            else:
+                drawn = name
+            t[name] = self._tensor(drawn, tuple(meta.shape), dtype, device)
         return build_stage(a, layer_start, layer_end, t)

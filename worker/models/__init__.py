@@ -8,9 +8,10 @@ from torch import nn
 
 from worker.model_args import ModelArgs
 
-from . import llama
+from . import llama, mixtral, qwen3, qwen3_moe
 
-BLOCKS: dict[str, type[nn.Module]] = {"llama": llama.Block}
+BLOCKS: dict[str, type[nn.Module]] = {"llama": llama.Block, "qwen3": qwen3.Block,
+                                      "qwen3_moe": qwen3_moe.Block, "mixtral": mixtral.Block}
 
 
 def block_type(args: ModelArgs) -> type[nn.Module]:

@@ -52,12 +52,18 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-norm attention and feed-forward, each added to the residual stream. A family that
+    differs only in one of the two (worker/models/) names its own here."""
+
+    attention_type: type[nn.Module] = Attention
+    feed_forward_type: type[nn.Module] = FeedForward
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.rms_eps)
-        self.attention = Attention(args)
+        self.attention = self.attention_type(args)
         self.ffn_norm = RMSNorm(args.dim, args.rms_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = self.feed_forward_type(args)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step: StepKV, layer: int) -> Tensor:
         """x: [T, dim]; layer: this block's index in its stage."""
