@@ -392,6 +392,7 @@ class EngineCore:
         elif not self._room():  # nor the frontends
             self._drain(self.frontends.sock, "frontend", self._on_frontend)
         self._send_outputs()
+        self.frontends.beat(now)
         for h in self.frontends.dead():
             self.requests.drop_frontend(h.index)
             self.frontends.restart(h)

@@ -61,6 +61,11 @@ log = logging.getLogger("siding.frontend")
 HTTP_ENDPOINT = "inproc://http"  # where this process's HTTP API reaches it as a client
 KEEPALIVE_SECONDS = 1.0  # a request the client has not heard of for this long gets an empty chunk
 HEARTBEAT_SECONDS = 2.0  # to the core, whose deadline for a frontend is 10 s
+# The core sends something at least every second (`FrontendGroup.beat`). Silent this long, a
+# stopped core process (SIGSTOP, a debugger) is taken as down; silent the longer one, a core in
+# any state is: a busy machine can starve it for seconds, a stopped one never answers.
+CORE_QUIET_SECONDS = 2.0
+CORE_SILENT_SECONDS = 30.0
 CLIENT_HWM = 100_000  # queued replies per client before it counts as not reading
 TRIM_SECONDS = 5.0  # how often freed heap memory is handed back to the system
 
@@ -106,6 +111,8 @@ class Frontend:
         self.next_key = 0
         self.status_waiting: deque[bytes] = deque()  # clients waiting on the core's status
         self.last_to_core = 0.0
+        self.last_from_core = time.monotonic()
+        self.core_down: str | None = None  # why the core is taken as down, while it is
         self.errors: Counter[str] = Counter()  # refused here, for the core's metrics
         self.dropped = 0
         # client connections refused by CURVE: counted by the monitor thread alone, reported
@@ -180,6 +187,7 @@ class Frontend:
                     self._to_core(Heartbeat(rank=self.index))
                 self._report()
                 self._check_parent()
+                self._check_core(now)
             if now - last_trim >= TRIM_SECONDS:
                 last_trim = now
                 give_back_memory()
@@ -226,6 +234,10 @@ class Frontend:
             if not self.core.poll(0):
                 return False
             msg, frames = self._recv_core()
+            self.last_from_core = time.monotonic()
+            if self.core_down is not None:
+                log.info("frontend %d: the engine core answers again", self.index)
+                self.core_down = None
             if isinstance(msg, Outputs):
                 self._on_outputs(msg, frames[0])
             elif isinstance(msg, StatusReply):
@@ -234,6 +246,38 @@ class Frontend:
             elif isinstance(msg, Shutdown):
                 return True
         return False
+
+    def _check_core(self, now: float) -> None:
+        """Take the core as down once it has been silent too long (see CORE_QUIET_SECONDS):
+        every request here fails with `unavailable` (and is cancelled in the core, for when it
+        comes back), and new ones and `status` are refused until it speaks again."""
+        quiet = now - self.last_from_core
+        if self.core_down is not None or quiet < CORE_QUIET_SECONDS:
+            return
+        if self.parent is not None and process_stopped(self.parent):
+            why = f"the engine core (pid {self.parent}) is stopped and has not answered for "
+        elif quiet >= CORE_SILENT_SECONDS:
+            why = "the engine core has not answered for "
+        else:
+            return
+        self.core_down = why + f"{quiet:.0f} s"
+        log.error("frontend %d: %s; failing its %d requests", self.index, self.core_down,
+                  len(self.requests) + len(self.prompts.pending))
+        for out in list(self.requests.values()):
+            self._forget(out)
+            self._to_core(Cancel(key=out.key, reason="abort"))
+            self._refuse(out.client, out.msg.request_id, self.core_down)
+            self._log_cut_short(out, "failed (the engine core is down)")
+        for (client, request_id) in list(self.prompts.pending):
+            self.prompts.cancel(client, request_id)
+            self._refuse(client, request_id, self.core_down)
+        while self.status_waiting:
+            self._refuse(self.status_waiting.popleft(), None, self.core_down)
+
+    def _refuse(self, identity: bytes, request_id: str | None, why: str) -> None:
+        self.errors[ErrorCode.UNAVAILABLE.value] += 1
+        self._send(identity, Error(code=ErrorCode.UNAVAILABLE.value, message=why,
+                                   request_id=request_id))
 
     def _on_outputs(self, msg: Outputs, frame: memoryview) -> None:
         rows = array("q")
@@ -368,6 +412,9 @@ class Frontend:
                     message=f"no running request {msg.request_id!r} of this client to abort: "
                     "it has ended, or it is another client's (a client aborts only its own)"))
         elif isinstance(msg, Status):
+            if self.core_down is not None:
+                self._refuse(identity, None, self.core_down)
+                return
             self.status_waiting.append(identity)
             self._to_core(Status())
         else:
@@ -375,6 +422,8 @@ class Frontend:
 
     def _admit(self, identity: bytes, msg: Generate) -> None:
         msg.check()
+        if self.core_down is not None:
+            raise RequestError(ErrorCode.UNAVAILABLE, self.core_down)
         if (identity, msg.request_id) in self.by_client or (
                 (identity, msg.request_id) in self.prompts.pending):
             raise RequestError(ErrorCode.INVALID_REQUEST,
@@ -435,6 +484,17 @@ class Frontend:
             if now - out.last_sent >= KEEPALIVE_SECONDS:
                 out.last_sent = now
                 self._send_frames(out.client, out.keepalive)
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP, a debugger): its state in /proc (False where
+    there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"T", b"t")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,6 +27,7 @@ from .ports import bind
 log = logging.getLogger("siding.coordinator")
 
 OUTPUT_HWM = 1_000_000  # queued outputs per frontend; a frontend never stops reading for long
+CORE_BEAT_SECONDS = 1.0  # the longest the core leaves a frontend without a message
 
 
 def check_free(flag: str, endpoint: str) -> None:
@@ -48,6 +49,7 @@ class FrontendHandle:
     identity: bytes | None = None
     endpoint: str | None = None  # where clients reach it, once it listens
     last_seen: float = 0.0
+    last_sent: float = 0.0  # when the core last sent it anything (its sign of life: `beat`)
     restarts: int = 0
 
     @property
@@ -153,6 +155,15 @@ class FrontendGroup:
             self.sock.send_multipart([h.identity, *encode(msg, frames)], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # gone, or not reading: its liveness check will see to it
             log.warning("frontend %d: cannot send (%s)", index, e)
+        else:
+            h.last_sent = time.monotonic()
+
+    def beat(self, now: float) -> None:
+        """A heartbeat to each serving frontend the core has not sent anything for
+        CORE_BEAT_SECONDS: how a frontend knows the core lives (frontend.py, `_check_core`)."""
+        for h in self.handles:
+            if h.serving and now - h.last_sent >= CORE_BEAT_SECONDS:
+                self.send(h.index, Heartbeat(rank=0))
 
     def dead(self) -> list[FrontendHandle]:
         """Frontends whose process exited or that stopped talking."""

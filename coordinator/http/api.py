@@ -124,7 +124,9 @@ class Api:
         """200 when every worker is up and loaded and the cluster takes requests; else 503."""
         try:
             s = await asyncio.wait_for(self.client.status(), 5.0)
-        except (RequestError, asyncio.TimeoutError):
+        except RequestError as e:  # the frontend takes the core as down: it says why
+            return _unhealthy(e.message)
+        except asyncio.TimeoutError:
             return _unhealthy("the engine core does not answer")
         if s.get("failed"):
             return _unhealthy(s["failed"])
