@@ -219,6 +219,9 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
       help="HTTP streams send an SSE comment (`: keepalive`) after this long without an event "
       "(off unless given: OpenAI's and vLLM's servers send none, and some clients lose the "
       "events after one)")
+    a("--http-timeout", type=float, default=10.0, metavar="SECONDS",
+      help="an HTTP connection is closed when it has not sent a whole request's headers this "
+      "long after connecting, or sent nothing this long after its last response")
     a("--api-key", default=None, metavar="KEY",
       help="bearer token the HTTP API asks for (needed for a non-loopback --http)")
     a("--api-key-file", default=None, metavar="PATH",
@@ -255,6 +258,7 @@ def config_from_args(args: argparse.Namespace):
         worker_wait=args.worker_wait,
         listen=args.listen, frontends=args.frontends, http=args.http, api_key=_api_key(args),
         sse_keepalive=args.sse_keepalive,
+        http_timeout=args.http_timeout,
         worker_listen=args.worker_listen,
         metrics_port=args.metrics_port or None, curve_keys=args.curve_keys,
         insecure=args.insecure, spawn_workers=args.spawn, worker_threads=args.worker_threads,

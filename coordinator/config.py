@@ -43,6 +43,7 @@ class CoordinatorConfig:
     http: str | None = None  # HOST:PORT of the OpenAI-compatible HTTP API (off when None)
     api_key: str | None = field(default=None, repr=False)  # bearer token the HTTP API asks for
     sse_keepalive: float | None = None  # seconds of silence before an SSE comment (None: never)
+    http_timeout: float = 10.0  # seconds an HTTP connection may idle before its request
     worker_listen: str = "tcp://127.0.0.1:5556"
     metrics_port: int | None = 9400
     curve_keys: str | None = None
@@ -95,6 +96,7 @@ class CoordinatorConfig:
             check_http_bind(host, self.api_key, self.insecure)
         need(self.sse_keepalive is None or self.sse_keepalive > 0,
              "--sse-keepalive must be a positive number of seconds")
+        need(self.http_timeout > 0, "--http-timeout must be a positive number of seconds")
         need(self.api_key is None or self.api_key.strip() == self.api_key != "",
              "--api-key must be non-empty, without surrounding whitespace")
         for flag, endpoint in [("--worker-listen", self.worker_listen),

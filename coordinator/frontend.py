@@ -511,6 +511,8 @@ def main(argv: list[str] | None = None) -> None:
                    "any, in SIDING_API_KEY)")
     p.add_argument("--sse-keepalive", type=float, default=None, metavar="SECONDS",
                    help="HTTP streams send an SSE comment after this long without an event")
+    p.add_argument("--http-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="an HTTP connection idle this long before a request is closed")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
@@ -519,7 +521,7 @@ def main(argv: list[str] | None = None) -> None:
     http = None
     if a.http_fd is not None:
         http = HttpServer(socket.socket(fileno=a.http_fd), os.environ.pop("SIDING_API_KEY", None),
-                          a.sse_keepalive)
+                          a.sse_keepalive, a.http_timeout)
     frontend = Frontend(a.core, a.index, a.listen, a.curve_keys, a.insecure, a.exit_with_parent,
                         http)
     try:

@@ -110,6 +110,7 @@ class FrontendGroup:
             cmd += ["--http-fd", str(fds[0])]
             if c.sse_keepalive is not None:
                 cmd += ["--sse-keepalive", str(c.sse_keepalive)]
+            cmd += ["--http-timeout", str(c.http_timeout)]
             if c.api_key is not None:  # not on the command line, where `ps` shows it
                 env = dict(os.environ, SIDING_API_KEY=c.api_key)
         h.process = subprocess.Popen(cmd, env=env, pass_fds=fds)

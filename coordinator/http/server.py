@@ -19,10 +19,14 @@ from protocol.messages import Serve
 
 
 class HttpServer:
-    def __init__(self, sock: socket.socket, api_key: str | None, keepalive: float | None):
+    def __init__(self, sock: socket.socket, api_key: str | None, keepalive: float | None,
+                 timeout: float):
+        """keepalive: seconds of silence before an SSE comment (None: none). timeout: seconds
+        a connection may idle before a request (`--http-timeout`)."""
         self.sock = sock
         self.api_key = api_key
         self.keepalive = keepalive
+        self.timeout = timeout
         self.server = None
         self.api = None
         self.thread: threading.Thread | None = None
@@ -38,7 +42,8 @@ class HttpServer:
         self.api = Api(client, serve, self.api_key, self.keepalive)
         app = self.api.app()
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=2)
+                                timeout_graceful_shutdown=2, timeout_keep_alive=self.timeout,
+                                http=first_request_deadline(self.timeout))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=lambda: asyncio.run(self._serve(client)),
                                        name="http", daemon=True)
@@ -67,3 +72,21 @@ class HttpServer:
         if self.thread is not None:
             self.thread.join(5)
         self.sock.close()
+
+
+def first_request_deadline(seconds: float) -> type:
+    """uvicorn's h11 protocol, closing a connection that has not sent a whole request's headers
+    `seconds` after connecting: uvicorn times out only a kept-alive connection after a response,
+    so one that connects and sends nothing (or its headers a byte at a time) was held forever."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self.loop.call_later(seconds, self._first_request_due)
+
+        def _first_request_due(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol

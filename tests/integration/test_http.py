@@ -370,7 +370,7 @@ def test_health_is_503_while_a_worker_is_down_and_200_once_it_is_back(cluster, z
 @pytest.fixture(scope="module")
 def tiny(launch):
     return launch("--model", "synthetic:tiny", "--http", "127.0.0.1:0", "--max-batch-seqs", "1",
-                  "--sse-keepalive", "0.001")
+                  "--sse-keepalive", "0.001", "--http-timeout", "1")
 
 
 @pytest.fixture(scope="module")
@@ -426,6 +426,20 @@ def test_sse_keepalive_comments_a_stream_that_waits_only_when_asked(tiny, tiny_z
     assert lines.index(comments[0]) < lines.index(events[0])
     assert b'"finish_reason":"length"' in events[-1] and not any(b'"error"' in e for e in events)
     wait_idle(tiny_zmq)
+
+
+def test_connections_idle_before_a_request_are_closed_and_a_prompt_one_is_served(tiny):
+    """`--http-timeout 1`: 20 connections that send nothing, or half a request's headers, are
+    closed by the server (each read returns the end of the stream, not the 60 s give-up); one
+    made beside them that asks at once is answered."""
+    url = urlsplit(tiny.http)
+    idle = [socket.create_connection((url.hostname, url.port), timeout=60) for _ in range(20)]
+    for s in idle[10:]:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")  # and no blank line
+    assert request(tiny, "GET", "/v1/models").status_code == 200
+    for s in idle:
+        with s:
+            assert s.recv(1024) == b""
 
 
 def test_http_refusals_are_counted_as_zeromq_ones(tiny, tiny_zmq):

@@ -147,7 +147,7 @@ def test_heartbeats_open_no_window(pair):
 @pytest.mark.parametrize("serves_http", [False, True])
 def test_a_frontend_spins_unless_it_serves_http(serves_http):
     """Its spin would keep the GIL from its HTTP thread (`Frontend._on_serve` says how)."""
-    http = HttpServer(socket.socket(), None, None) if serves_http else None
+    http = HttpServer(socket.socket(), None, None, 10.0) if serves_http else None
     frontend = Frontend("ipc:///nowhere", 0, "tcp://127.0.0.1:0", None, False, False, http)
     try:
         frontend._on_serve(SimpleNamespace(busy_poll=1.5))
