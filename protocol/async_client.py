@@ -142,6 +142,7 @@ class AsyncClient(ClientBase):
             self._finish(key)
 
     async def _send(self, msg: Any) -> None:
+        self._send_aborts()
         try:
             await self._socket.send_multipart(encode(msg))
         except zmq.Again:
@@ -179,6 +180,7 @@ class AsyncClient(ClientBase):
                 self._replies.fail_all(ErrorCode.INVALID_REQUEST, self._malformed(e))
                 continue
             self._replies.deliver(msg)
+            self._send_aborts()
             # pyzmq resolves a recv at once while messages wait, so without this the reader
             # would keep the loop until the socket fell quiet, every stream's consumer waiting
             # (at 32 busy streams on an H200, most tokens reached their consumer at the end)

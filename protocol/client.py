@@ -9,6 +9,7 @@ import itertools
 import queue
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -243,6 +244,7 @@ class ClientBase:
         # A blocking-API view of the same socket, for aborts sent from `finally` blocks (also of
         # a cancelled task), which must neither await nor block.
         self._plain_socket = zmq.Socket.shadow(socket.underlying)
+        self._aborts: deque[str] = deque()  # request ids whose Abort the socket did not take
 
     def _no_reply(self, key: str | None) -> RequestError:
         if refused := self._refused(key):
@@ -307,10 +309,19 @@ class ClientBase:
         """A call stops waiting on `key`; abort the request if the server may still run it."""
         if not self._replies.close(key) or key is None or self._socket.closed:
             return
-        try:
-            self._plain_socket.send_multipart(encode(Abort(key)), flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # best effort: the server also aborts requests of clients that went away
+        self._aborts.append(key)
+        self._send_aborts()
+
+    def _send_aborts(self) -> None:
+        """The aborts not sent yet, as far as the socket takes them without waiting: one a full
+        socket refuses (a call of thousands of requests refused part-way fills it) is sent with
+        the client's next message or after its next reply, never dropped."""
+        while self._aborts and not self._socket.closed:
+            try:
+                self._plain_socket.send_multipart(encode(Abort(self._aborts[0])), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+            self._aborts.popleft()
 
 
 class Client(ClientBase):
@@ -402,6 +413,7 @@ class Client(ClientBase):
             self._finish(key)
 
     def _send(self, msg: Any) -> None:
+        self._send_aborts()
         try:
             self._socket.send_multipart(encode(msg))
         except zmq.Again:
@@ -427,4 +439,5 @@ class Client(ClientBase):
                 raise RequestError(ErrorCode.INVALID_REQUEST, self._malformed(e), key) from None
             self._last_heard = time.monotonic()
             self._replies.deliver(msg)
+            self._send_aborts()
         return self._replies.take(key, pending.get_nowait())

@@ -219,6 +219,21 @@ def test_a_dropped_stream_is_aborted_and_its_pages_freed(cluster, zmq):
     assert aborted(wait_idle(zmq)) == before + 1
 
 
+def test_a_multi_prompt_call_refused_part_way_leaves_nothing_running(api, zmq):
+    """2,000 prompts of 64 choices each: past the client's queue bound the call is refused, and
+    every request of it that was admitted is aborted with it (the give-up is 30 s: what this
+    rules out ran for 85 s)."""
+    wait_idle(zmq)
+    with pytest.raises(openai.APIStatusError) as e:
+        api.completions.create(model=MODEL, prompt=[[1, 2, 3]] * 2000, n=64, max_tokens=16)
+    assert e.value.status_code == 503 and "overloaded" in str(e.value.body), e.value.body
+    deadline = time.monotonic() + 30
+    while (s := zmq.status())["requests"]["waiting"] or s["requests"]["running"]:
+        assert time.monotonic() < deadline, s["requests"]
+        time.sleep(0.1)
+    wait_idle(zmq)
+
+
 def test_a_client_that_hangs_up_on_a_whole_response_is_aborted(cluster, zmq):
     before = aborted(wait_idle(zmq))
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4000,
