@@ -87,7 +87,7 @@ def workload(cluster, prometheus):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(180)
+        t.join(600)
     assert errors == []
     generated = len(PROMPTS) * MAX_TOKENS
     wait_for(lambda: value(prometheus, "siding_generation_tokens_total") == generated

@@ -63,7 +63,7 @@ def test_a_remote_worker_that_dies_and_comes_back_loses_no_request(reference, ke
         workers[1].wait()
         time.sleep(1.0)
         workers[1] = start_worker(port, 1, keys)  # what its supervisor would do
-        t.join(300)
+        t.join(600)
         assert got["tokens"] == reference  # exact mode: the same bytes despite the fault
         with Client(cluster.endpoint, timeout=60, curve_keys_dir=keys) as c:
             s = c.status()

@@ -87,7 +87,7 @@ def test_a_corrupt_restore_fails_its_request_and_the_others_complete(tmp_path):
         for t in threads:
             t.start()
         for t in threads:
-            t.join(120)
+            t.join(600)
         errors = [r for r in outcomes.values() if isinstance(r, RequestError)]
         done = [r for r in outcomes.values() if not isinstance(r, RequestError)]
         assert len(errors) == 1 and errors[0].code == "internal"
