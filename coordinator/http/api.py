@@ -32,7 +32,7 @@ from protocol.client import build_generate
 from protocol.errors import ErrorCode, RequestError
 from protocol.messages import Chunk, Generate, Result, Serve
 
-from ..admission import prompt_ids
+from ..admission import check_fits, prompt_ids
 from ..text import TextCodec
 from .errors import ApiError
 from .schema import ChatRequest, CompletionRequest
@@ -108,9 +108,14 @@ class Api:
         limit = body.token_limit
         msg = build_generate(messages=messages, **body.options(limit or 1, _user(request, body)))
         if limit is None:  # as many tokens as the context and the pool leave
+            s = self.serve
             msg.prompt_token_ids, msg.messages = prompt_ids(msg, self.codec), None
-            room = min(self.serve.model.max_context, self.serve.kv_pages * self.serve.page_size)
+            room = min(s.model.max_context, s.kv_pages * s.page_size)
             msg.max_tokens = max(1, room - len(msg.prompt_token_ids))
+            try:  # refused here, before a message past the wire's limits fails the connection
+                check_fits(msg.prompt_token_ids, msg, s.model, s.kv_pages, s.page_size)
+            except RequestError as e:  # that every HTTP call of this frontend shares
+                raise ApiError.of(e) from None
         return await self._respond(request, body, [msg], chat=True)
 
     async def models(self, request: Request) -> Response:

@@ -219,6 +219,29 @@ def test_a_dropped_stream_is_aborted_and_its_pages_freed(cluster, zmq):
     assert aborted(wait_idle(zmq)) == before + 1
 
 
+def test_a_chat_past_every_limit_fails_alone_beside_four_streams(api, zmq):
+    """400,000 emoji in a chat without a token limit (1.6 MB: over a million token ids): it
+    gets its own too_long, and four streams on the same frontend run to their end."""
+    got: dict = {}
+
+    def stream(i: int) -> None:
+        chunks = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, stream=True,
+                                        extra_body={"ignore_eos": True})
+        got[i] = sum(len(c.choices[0].text) > 0 for c in chunks if c.choices)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model=MODEL, messages=[
+            {"role": "user", "content": "\U0001F600" * 400_000}])
+    assert e.value.body["code"] == "too_long", e.value.body
+    for t in threads:
+        t.join(600)
+    assert sorted(got) == [0, 1, 2, 3] and all(got.values()), got
+    wait_idle(zmq)
+
+
 def test_a_multi_prompt_call_refused_part_way_leaves_nothing_running(api, zmq):
     """2,000 prompts of 64 choices each: past the client's queue bound the call is refused, and
     every request of it that was admitted is aborted with it (the give-up is 30 s: what this
