@@ -162,6 +162,7 @@ class EngineCore:
         self.frontends.serve(Serve(model=self.model, kv_pages=w.kv_pages, page_size=w.page_size,
                                    exact=w.exact, busy_poll=self.busy.seconds))
         self.metrics.workers_up.set(self.workers.n_up)
+        self.metrics.serving(self.model.name)
         self.outage_since = self.outage_reason = None
         log.info("%d workers ready", self.workers.n_up)
 
