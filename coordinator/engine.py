@@ -97,6 +97,8 @@ class EngineCore:
                           f"{reason}") from None
         self.workers = WorkerGroup(self.worker_sock, config, link_keys)
         self.frontends = FrontendGroup(self.ctx, config, self.run_dir.path)
+        if config.http is not None:
+            self.metrics.serve_frontends(self.frontends.metrics_socket)
         # how the loop waits: --busy-poll, auto resolved once the workers' devices are known
         self.busy = BusyPoller(0.0)
         self.heard = False  # a message besides heartbeats since the last poll (`_poll`)

@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from protocol.errors import ErrorCode
-from protocol.metrics_http import serve_metrics
+from protocol.metrics_http import serve_exposition, serve_metrics
 
 FINISH_REASONS = ("stop", "length", "abort")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
@@ -115,6 +115,10 @@ class CoordinatorMetrics:
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         serve_metrics(self.registry, port, addr)
+
+    def serve_frontends(self, path: str) -> None:
+        """The same exposition on a Unix socket, which the frontends serve on the HTTP API."""
+        serve_exposition(self.registry, path)
 
     def figures(self) -> dict:
         """The numbers the metrics export, read back from them, for `siding status`: from one

@@ -19,10 +19,12 @@ from protocol.messages import Serve
 
 
 class HttpServer:
-    def __init__(self, sock: socket.socket, api_key: str | None, keepalive: float | None):
+    def __init__(self, sock: socket.socket, api_key: str | None, keepalive: float | None,
+                 metrics_socket: str | None = None):
         self.sock = sock
         self.api_key = api_key
         self.keepalive = keepalive
+        self.metrics_socket = metrics_socket
         self.server = None
         self.api = None
         self.thread: threading.Thread | None = None
@@ -35,7 +37,7 @@ class HttpServer:
 
         client = AsyncClient(endpoint, timeout=None,
                              context=zmq.asyncio.Context.shadow(ctx.underlying))
-        self.api = Api(client, serve, self.api_key, self.keepalive)
+        self.api = Api(client, serve, self.api_key, self.keepalive, self.metrics_socket)
         app = self.api.app()
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=2)
