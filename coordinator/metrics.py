@@ -253,9 +253,9 @@ class VllmView:
             family.add_metric(values, value)
             return family
 
-        # a preempted sequence waits in vLLM's queue; siding keeps the parked ones apart
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
                     _value(m.requests_running))
+        # a preempted sequence waits in vLLM's queue; siding keeps the parked ones apart
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
                     _value(m.requests_waiting) + _value(m.requests_parked))
         total = _value(m.kv_pages_total)
