@@ -97,6 +97,8 @@ class EngineCore:
                           f"{reason}") from None
         self.workers = WorkerGroup(self.worker_sock, config, link_keys)
         self.frontends = FrontendGroup(self.ctx, config, self.run_dir.path)
+        if config.http is not None:
+            self.metrics.serve_frontends(self.frontends.metrics_socket)
         # how the loop waits: --busy-poll, auto resolved once the workers' devices are known
         self.busy = BusyPoller(0.0)
         self.heard = False  # a message besides heartbeats since the last poll (`_poll`)
@@ -162,6 +164,7 @@ class EngineCore:
         self.frontends.serve(Serve(model=self.model, kv_pages=w.kv_pages, page_size=w.page_size,
                                    exact=w.exact, busy_poll=self.busy.seconds))
         self.metrics.workers_up.set(self.workers.n_up)
+        self.metrics.serving(self.model.name)
         self.outage_since = self.outage_reason = None
         log.info("%d workers ready", self.workers.n_up)
 

@@ -509,6 +509,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--http-fd", type=int, default=None, metavar="FD",
                    help="serve the OpenAI API on this inherited listening socket (its key, if "
                    "any, in SIDING_API_KEY)")
+    p.add_argument("--metrics-socket", default=None, metavar="PATH",
+                   help="the engine core's metrics exposition, served as /metrics on --http-fd")
     p.add_argument("--sse-keepalive", type=float, default=None, metavar="SECONDS",
                    help="HTTP streams send an SSE comment after this long without an event")
     p.add_argument("--http-timeout", type=float, default=10.0, metavar="SECONDS",
@@ -521,7 +523,7 @@ def main(argv: list[str] | None = None) -> None:
     http = None
     if a.http_fd is not None:
         http = HttpServer(socket.socket(fileno=a.http_fd), os.environ.pop("SIDING_API_KEY", None),
-                          a.sse_keepalive, a.http_timeout)
+                          a.sse_keepalive, a.http_timeout, a.metrics_socket)
     frontend = Frontend(a.core, a.index, a.listen, a.curve_keys, a.insecure, a.exit_with_parent,
                         http)
     try:

@@ -71,6 +71,8 @@ class FrontendGroup:
         self.handles = [FrontendHandle(i, ep) for i, ep in enumerate(config.client_endpoints())]
         # The OpenAI API's one listening socket: every frontend accepts on it.
         self.http = None if config.http is None else address.listen(config.http)
+        # where the core serves its metrics' exposition, which the API serves as /metrics
+        self.metrics_socket = str(private_dir / "metrics")
         self.serve_msg: Serve | None = None
 
     @property
@@ -107,7 +109,7 @@ class FrontendGroup:
         env, fds = None, ()
         if self.http is not None:
             fds = (self.http.fileno(),)
-            cmd += ["--http-fd", str(fds[0])]
+            cmd += ["--http-fd", str(fds[0]), "--metrics-socket", self.metrics_socket]
             if c.sse_keepalive is not None:
                 cmd += ["--sse-keepalive", str(c.sse_keepalive)]
             cmd += ["--http-timeout", str(c.http_timeout)]

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models` and
-`/health`, as a Starlette app.
+"""The OpenAI-compatible routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+`/health` and `/metrics` (the engine core's exposition, unauthenticated as vLLM's), as a
+Starlette app.
 
 Each HTTP request becomes one siding request per prompt, sent through an `AsyncClient` to the
 frontend it runs in, so validation, admission, text, stop strings and `n` are the ZeroMQ
@@ -31,6 +32,7 @@ from protocol.async_client import AsyncClient, get_within
 from protocol.client import build_generate
 from protocol.errors import ErrorCode, RequestError
 from protocol.messages import Chunk, Generate, Result, Serve
+from protocol.metrics_http import read_exposition
 
 from ..admission import check_fits, prompt_ids
 from ..text import TextCodec
@@ -43,8 +45,9 @@ FIRST_REPLY_SECONDS = 1.0  # a stream waits this long for admission errors befor
 
 class Api:
     def __init__(self, client: AsyncClient, serve: Serve, api_key: str | None,
-                 keepalive: float | None):
+                 keepalive: float | None, metrics_socket: str | None = None):
         self.client = client
+        self.metrics_socket = metrics_socket  # where the engine core serves its exposition
         self.keepalive = keepalive  # seconds of silence before a stream's SSE comment
         self.serve = serve
         self.codec = TextCodec(serve.model)
@@ -63,6 +66,9 @@ class Api:
             Route("/v1/models/{model:path}", self._endpoint(self.model_info), methods=["GET"]),
             Route("/health", self._endpoint(self.health, auth=False), methods=["GET"]),
         ]
+        if self.metrics_socket is not None:
+            routes.append(Route("/metrics", self._endpoint(self.metrics, auth=False),
+                                methods=["GET"]))
         return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
 
     def _endpoint(self, handler: Callable[[Request], Awaitable[Response]],
@@ -143,6 +149,16 @@ class Api:
         if s.get("draining"):
             return _unhealthy("draining: the cluster is shutting down")
         return JSONResponse({"status": "ok", "workers_up": s["workers_up"]})
+
+    async def metrics(self, request: Request) -> Response:
+        """The engine core's exposition, as its metrics port serves it (the frontends count
+        nothing of their own: what only they see reaches the core in `REPORT`s)."""
+        try:
+            content_type, body = await asyncio.wait_for(
+                read_exposition(self.metrics_socket, request.headers.get("accept", "")), 5.0)
+        except (OSError, EOFError, asyncio.TimeoutError):
+            return _unhealthy("the engine core does not answer")
+        return Response(body, headers={"content-type": content_type})
 
     def _model_card(self) -> dict:
         return {"id": self.model, "object": "model", "created": self.created,

@@ -20,13 +20,15 @@ from protocol.messages import Serve
 
 class HttpServer:
     def __init__(self, sock: socket.socket, api_key: str | None, keepalive: float | None,
-                 timeout: float):
+                 timeout: float, metrics_socket: str | None = None):
         """keepalive: seconds of silence before an SSE comment (None: none). timeout: seconds
-        a connection may idle before a request (`--http-timeout`)."""
+        a connection may idle before a request (`--http-timeout`). metrics_socket: where the
+        engine core serves its metrics exposition, answered as /metrics."""
         self.sock = sock
         self.api_key = api_key
         self.keepalive = keepalive
         self.timeout = timeout
+        self.metrics_socket = metrics_socket
         self.server = None
         self.api = None
         self.thread: threading.Thread | None = None
@@ -39,7 +41,7 @@ class HttpServer:
 
         client = AsyncClient(endpoint, timeout=None,
                              context=zmq.asyncio.Context.shadow(ctx.underlying))
-        self.api = Api(client, serve, self.api_key, self.keepalive)
+        self.api = Api(client, serve, self.api_key, self.keepalive, self.metrics_socket)
         app = self.api.app()
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=2, timeout_keep_alive=self.timeout,

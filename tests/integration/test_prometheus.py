@@ -4,6 +4,9 @@ The cluster writes its own scrape config (`--write-prometheus-config`); the test
 the intervals and adds ops/alerts.yml. The pool is small and `--preempt-every 2` parks and
 restores every running sequence every two decode steps, so the preemption series move too; the
 KV lives in host memory (`--kv host`), so the staging ring's transfer series move as well.
+
+A third job scrapes `/metrics` on the OpenAI API's port, as a vLLM user's Prometheus does, keeping
+vLLM's names only: they carry siding's figures (`coordinator/metrics.py`, `VllmView`).
 """
 
 from __future__ import annotations
@@ -29,17 +32,21 @@ OPS = Path(__file__).resolve().parents[2] / "ops"
 PROMPTS = [[7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36], [40, 41],
            [50, 51, 52, 53], [60, 61, 62, 63, 64, 65]]
 MAX_TOKENS = 16
+API_KEY = "prometheus-test-key"
 
 
 @pytest.fixture(scope="module")
 def cluster(launch, tmp_path_factory):
     port = free_metrics_port(2)
     written = tmp_path_factory.mktemp("prometheus") / "written.yml"
+    key = written.parent / "api-key"
+    key.write_text(API_KEY)
     c = launch("--model", "synthetic:tiny", "--workers", "2", "--page-size", "4",
                "--kv-pages", "12", "--preempt-every", "2", "--kv", "host",
-               "--metrics-port", str(port),
+               "--metrics-port", str(port), "--http", "127.0.0.1:0", "--api-key-file", str(key),
                "--write-prometheus-config", str(written))
-    return SimpleNamespace(endpoint=c.endpoint, metrics_port=port, prometheus_config=written)
+    return SimpleNamespace(endpoint=c.endpoint, metrics_port=port, prometheus_config=written,
+                           http=c.http)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +60,11 @@ def prometheus(cluster, tmp_path_factory):
     config = yaml.safe_load(cluster.prometheus_config.read_text())
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     config["rule_files"] = [str(OPS / "alerts.yml")]
+    config["scrape_configs"].append({
+        "job_name": "vllm-api", "static_configs": [{"targets": [urllib.parse.urlsplit(
+            cluster.http).netloc]}],
+        "metric_relabel_configs": [{"source_labels": ["__name__"], "regex": "vllm:.*",
+                                    "action": "keep"}]})
     (home / "prometheus.yml").write_text(yaml.safe_dump(config))
     web = free_metrics_port(0)
     log = (home / "prometheus.log").open("w")
@@ -72,7 +84,7 @@ def prometheus(cluster, tmp_path_factory):
 @pytest.fixture(scope="module")
 def workload(cluster, prometheus):
     """Concurrent requests, more than the pool holds at once; returns their results."""
-    wait_for(lambda: len(query(prometheus, "up == 1")) == 3, 30, "three targets up")
+    wait_for(lambda: len(query(prometheus, "up == 1")) == 4, 30, "four targets up")
     results, errors = [None] * len(PROMPTS), []
 
     def run(i: int) -> None:
@@ -142,9 +154,10 @@ def test_the_written_config_scrapes_the_coordinator_and_every_worker(cluster, pr
     assert jobs["siding-coordinator"]["static_configs"][0]["targets"] == [f"127.0.0.1:{p}"]
     assert jobs["siding-workers"]["static_configs"][0]["targets"] == \
         [f"127.0.0.1:{q}" for q in worker_ports(p, 2)]
-    wait_for(lambda: len(query(prometheus, "up == 1")) == 3, 30, "three targets up")
+    wait_for(lambda: len(query(prometheus, 'up{job=~"siding-.*"} == 1')) == 3, 30,
+             "three targets up")
     assert {labels["job"] for labels, _ in query(prometheus, "up")} == \
-        {"siding-coordinator", "siding-workers"}
+        {"siding-coordinator", "siding-workers", "vllm-api"}
 
 
 def test_counters_count_the_workload(prometheus, workload):
@@ -231,3 +244,65 @@ def test_status_shows_the_figures_prometheus_has(cluster, prometheus, workload):
     assert f"generated {len(PROMPTS) * MAX_TOKENS}" in table
     assert f"finished   length {len(PROMPTS)}" in table
     assert "workers up 2 of 2" in table
+
+
+def api(expr: str) -> str:
+    """`expr`, a vLLM name, as scraped from the HTTP API's port."""
+    return expr.replace("}", ',job="vllm-api"}') if "}" in expr else expr + '{job="vllm-api"}'
+
+
+def test_the_http_ports_vllm_names_carry_sidings_figures(cluster, prometheus, workload):
+    generated = len(PROMPTS) * MAX_TOKENS
+    wait_for(lambda: value(prometheus, api("vllm:generation_tokens_total")) == generated
+             and value(prometheus, api("vllm:e2e_request_latency_seconds_count")) == len(PROMPTS),
+             30, "the HTTP port's figures to be scraped")
+    # after len(PROMPTS) requests, siding's count and vLLM's are the same observations
+    for siding, vllm in [
+        ("siding_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
+        ("siding_time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_sum"),
+        ("siding_inter_token_latency_seconds_count", "vllm:inter_token_latency_seconds_count"),
+        ("siding_inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count"),
+        ("siding_e2e_request_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"),
+        ("siding_request_queue_seconds_count", "vllm:request_queue_time_seconds_count"),
+        ("siding_prompt_tokens_total", "vllm:prompt_tokens_total"),
+        ("siding_generation_tokens_total", "vllm:generation_tokens_total"),
+        ("sum(siding_preemptions_total)", "vllm:num_preemptions_total"),
+        ('siding_requests_total{finish_reason="length"}',
+         'vllm:request_success_total{finished_reason="length"}'),
+        ("siding_requests_running", "vllm:num_requests_running"),
+        ("siding_requests_waiting + siding_requests_parked", "vllm:num_requests_waiting"),
+        ("siding_kv_pages_used / siding_kv_pages_total", "vllm:kv_cache_usage_perc"),
+    ]:
+        assert value(prometheus, api(vllm)) == value(prometheus, siding), vllm
+    assert value(prometheus, api("vllm:time_to_first_token_seconds_count")) == len(PROMPTS)
+    assert value(prometheus, api('vllm:time_to_first_token_seconds_bucket{le="+Inf"}')) == \
+        len(PROMPTS)
+    assert value(prometheus, api("vllm:num_preemptions_total")) > 0
+    model = json.loads(urllib.request.urlopen(urllib.request.Request(
+        cluster.http + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}),
+        timeout=10).read())["data"][0]["id"]
+    labels = {(s["model_name"], s["engine"])
+              for s, _ in query(prometheus, api("vllm:prompt_tokens_total"))}
+    assert labels == {(model, "0")}
+
+
+def test_kv_cache_usage_is_pages_used_over_total_at_every_scrape(prometheus, workload):
+    """Both from each scrape of the coordinator's port, over the whole workload."""
+    usage = 'vllm:kv_cache_usage_perc{job="siding-coordinator"}'
+    pages = "siding_kv_pages_used / siding_kv_pages_total"
+    assert value(prometheus, f"max_over_time(abs({usage} - on(instance) ({pages}))[10m:1s])") == 0
+    assert value(prometheus, f"max_over_time({usage}[10m])") == \
+        value(prometheus, "max_over_time(siding_kv_pages_used[10m])") / 12
+
+
+def test_metrics_on_the_http_port_need_no_api_key(cluster):
+    with urllib.request.urlopen(cluster.http + "/metrics", timeout=10) as r:
+        content_type, text = r.headers["Content-Type"], r.read().decode()
+    assert content_type == "text/plain; version=0.0.4; charset=utf-8"
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_bucket",
+                 "siding_requests_running"):
+        assert f"\n{name}{{" in text or f"\n{name} " in text, name
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(cluster.http + "/v1/models", timeout=10)
+    assert refused.value.code == 401

@@ -42,6 +42,18 @@ CONTRACT = {
     "siding_prefix_cache_queries": "counter", "siding_prefix_cache_hits": "counter",
     "siding_prefix_cache_pages": "gauge", "siding_prefix_cache_evictions": "counter",
 }
+# vLLM's names for the engine core's figures, labelled model_name and engine
+VLLM_CONTRACT = {
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge", "vllm:num_preemptions": "counter",
+    "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter", "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
+}
 WORKER_CONTRACT = {
     "siding_transfer_bytes": "counter", "siding_transfer_copies": "counter",
     "siding_transfer_wait_seconds": "counter", "siding_ring_bytes": "gauge",
@@ -92,7 +104,7 @@ def scrape() -> dict[str, dict]:
         for i, p in enumerate([port, *prometheus_config.worker_ports(port, 2)]):
             text = urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=10).read()
             for fam in text_string_to_metric_families(text.decode()):
-                if fam.name.startswith("siding_"):
+                if fam.name.startswith(("siding_", "vllm:")):
                     families.setdefault(fam.name, {"type": fam.type, "samples": [],
                                                    "process": i})
                     families[fam.name]["samples"] += fam.samples
@@ -130,6 +142,10 @@ def test_exported_metrics_have_the_contract_names_and_types(scrape):
         assert scrape[name]["process"] > 0, f"{name} comes from the coordinator"
         workers = {(s.labels["worker"], s.labels["device"]) for s in scrape[name]["samples"]}
         assert workers == {("0", "cpu"), ("1", "cpu")}, name
+    for name, kind in VLLM_CONTRACT.items():
+        assert (scrape[name]["type"], scrape[name]["process"]) == (kind, 0), name
+        assert {(s.labels["model_name"], s.labels["engine"]) for s in scrape[name]["samples"]} \
+            == {("synthetic:tiny", "0")}, name
     paths = {s.labels["path"] for s in scrape["siding_transfer_bytes"]["samples"]}
     reasons = {s.labels["reason"] for s in scrape["siding_ring_declines"]["samples"]}
     assert paths == {"ahead", "ordered", "writeback"}
