@@ -40,11 +40,11 @@ def check_fits(prompt: list[int] | array, msg: Generate, model: ModelInfo, kv_pa
     if len(prompt) >= ctx:
         raise RequestError(ErrorCode.TOO_LONG, f"the prompt has {len(prompt)} tokens; "
                            f"the model's context is {ctx}")
-    need = pages_for(min(len(prompt) + msg.max_tokens, ctx), page_size)
+    need = pages_for(min(len(prompt) + msg.sampling.max_tokens, ctx), page_size)
     if need > kv_pages:
         raise RequestError(
             ErrorCode.TOO_LONG,
-            f"{len(prompt)} prompt tokens + max_tokens {msg.max_tokens} need {need} KV "
+            f"{len(prompt)} prompt tokens + max_tokens {msg.sampling.max_tokens} need {need} KV "
             f"pages; the pool has {kv_pages}")
 
 

@@ -8,6 +8,7 @@ from enum import IntEnum
 from typing import ClassVar
 
 from .errors import ProtocolError
+from .sampling import SamplingParams
 from .schema import wire_field
 from .worker_config import MAX_BUSY_POLL, WorkerConfig
 
@@ -49,7 +50,6 @@ MAX_ID = 128  # characters in a request id
 MAX_TEXT = 1 << 20  # characters in a prompt or a chat message
 MAX_TOKENS_LIST = 1 << 20  # token ids in one list
 MAX_LIST = 1 << 16  # items in any other list
-MAX_STOP_CHARS = 256  # characters in one stop string
 MAX_PRIORITY = 1000  # priorities are in [-1000, 1000]; higher runs first and is preempted last
 
 
@@ -71,16 +71,8 @@ class Generate:
     # uint32 ids, which `wire.decode` gives as an array("I"): no per-id work on either side.
     prompt_token_ids: list[int] | None = wire_field(None, max_len=MAX_TOKENS_LIST)
     messages: list[ChatMessage] | None = wire_field(None, max_len=4096)
-    max_tokens: int = wire_field(16, lo=1, hi=1 << 24)
-    temperature: float = wire_field(0.0, lo=0.0, hi=100.0)
-    top_p: float = wire_field(1.0, lo=0.0, hi=1.0)
-    top_k: int = wire_field(0, lo=0, hi=1 << 24)
-    seed: int | None = wire_field(None, lo=0, hi=(1 << 63) - 1)
-    stop: list[str] = wire_field([], max_len=64)
-    stop_token_ids: list[int] = wire_field([], max_len=1024)
-    ignore_eos: bool = wire_field(False)
+    sampling: SamplingParams = wire_field(SamplingParams())
     priority: int = wire_field(0, lo=-MAX_PRIORITY, hi=MAX_PRIORITY)
-    n: int = wire_field(1, lo=1, hi=64)
     stream: bool = wire_field(False)
     user: str | None = wire_field(None, max_len=256)  # whom the fair queue counts it for
     # the client reads CHUNKS: this request's chunks may come with others' of the same step in
@@ -94,20 +86,12 @@ class Generate:
         ids = self.prompt_token_ids
         if self.prompt == "" or (ids is not None and not len(ids)) or self.messages == []:
             raise ProtocolError("the prompt is empty")
-        if self.top_p <= 0.0:
-            raise ProtocolError("top_p must be in (0, 1]")
-        if any(s == "" for s in self.stop):
-            raise ProtocolError("stop strings must not be empty")
-        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
-            raise ProtocolError(f"field 'stop': a stop string is longer than {MAX_STOP_CHARS} "
-                                "characters")
         if self.messages is not None and (
                 total := sum(len(m.content) for m in self.messages)) > MAX_TEXT:
             raise ProtocolError(f"field 'messages' holds {total} characters of content; the "
                                 f"limit is {MAX_TEXT} in all")
         # an array("I") of ids (from a frame) holds none below 0
-        if min(self.stop_token_ids, default=0) < 0 or (
-                type(ids) is list and min(ids, default=0) < 0):
+        if type(ids) is list and min(ids, default=0) < 0:
             raise ProtocolError("token ids must not be negative")
 
 
@@ -240,14 +224,6 @@ class Heartbeat:
 
 
 @dataclass(slots=True)
-class Sampling:
-    temperature: float = wire_field(0.0, lo=0.0)
-    top_p: float = wire_field(1.0, lo=0.0, hi=1.0)
-    top_k: int = wire_field(0, lo=0)
-    seed: int = wire_field(0, lo=0, hi=(1 << 63) - 1)
-
-
-@dataclass(slots=True)
 class SeqPlan:
     """One sequence's part of a step: `n` tokens at positions start .. start+n-1."""
 
@@ -256,7 +232,8 @@ class SeqPlan:
     n: int = wire_field(lo=1)
     pages_add: list[int] = wire_field([], max_len=MAX_LIST)  # appended to its page table first
     sample: bool = wire_field(False)  # sample a token after the last of the n positions
-    sampling: Sampling | None = wire_field(None)  # the first time the worker sees this sequence
+    # the first time the worker sees this sequence; its `seed` is the sequence's own
+    sampling: SamplingParams | None = wire_field(None)
     # its one row's input is the token it sampled in its last step, which the coordinator has
     # not seen yet: the worker takes it from the device (the plan's token id is a placeholder)
     after: bool = wire_field(False)
@@ -385,14 +362,7 @@ class Submit:
     TYPE: ClassVar[MsgType] = MsgType.SUBMIT
     key: int = wire_field(0, lo=0)
     n_prompt: int = wire_field(1, lo=1, hi=MAX_TOKENS_LIST)
-    n: int = wire_field(1, lo=1, hi=64)
-    max_tokens: int = wire_field(16, lo=1, hi=1 << 24)
-    temperature: float = wire_field(0.0, lo=0.0, hi=100.0)
-    top_p: float = wire_field(1.0, lo=0.0, hi=1.0)
-    top_k: int = wire_field(0, lo=0, hi=1 << 24)
-    seed: int | None = wire_field(None, lo=0, hi=(1 << 63) - 1)
-    stop_token_ids: list[int] = wire_field([], max_len=1024)
-    ignore_eos: bool = wire_field(False)
+    sampling: SamplingParams = wire_field(SamplingParams())
     priority: int = wire_field(0, lo=-MAX_PRIORITY, hi=MAX_PRIORITY)
     arrival: float = wire_field(0.0)  # time.monotonic() when the frontend received it
     client: str = wire_field("", max_len=300)  # whom the fair queue counts it for

@@ -15,7 +15,9 @@ import typing
 from dataclasses import field
 from typing import Any
 
-from .errors import ProtocolError
+import msgspec
+
+from .errors import ProtocolError, invalid
 
 
 def limit(max_len: int | None = None, lo: float | None = None, hi: float | None = None) -> dict:
@@ -56,6 +58,8 @@ def _nesting(cls: type) -> list[tuple[str, bool]]:
 
 
 def _plain(value: Any) -> Any:
+    if isinstance(value, msgspec.Struct):
+        return msgspec.to_builtins(value)
     if isinstance(value, list):  # lists are of one type: dataclasses, or scalars msgpack takes
         return [to_header(v) for v in value] if value and dataclasses.is_dataclass(value[0]) \
             else value
@@ -169,6 +173,15 @@ def _compile(tp: Any, meta: Any) -> Check:
             prefix = f"{where}{name}"
             return [check_item(x, prefix, f"[{i}]") for i, x in enumerate(v)]
         return check_list
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        def check_struct(v: Any, where: str, name: Any) -> Any:
+            try:
+                return msgspec.convert(v, tp)
+            except msgspec.ValidationError as e:  # its path, from the outer message's root
+                path, text = f"`$.{where}{name}", str(e)
+                text = text.replace("`$", path, 1) if " - at `$" in text else f"{text} - at {path}`"
+                raise invalid(msgspec.ValidationError(text)) from None
+        return check_struct
     if dataclasses.is_dataclass(tp):
         def check_nested(v: Any, where: str, name: Any) -> Any:
             return from_header(tp, v, f"{where}{name}.")

@@ -22,16 +22,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from .errors import ProtocolError
 from .messages import (
     MAX_LIST,
     MAX_TOKENS_LIST,
     PageCopy,
     PageMove,
-    Sampling,
     SeqPlan,
     Step,
 )
+from .sampling import SamplingParams
 from .schema import from_header, to_header, wire_field
 
 COLUMNS = 6  # id, start, n, sample, pages added, after
@@ -42,7 +44,7 @@ _SWAP = sys.byteorder != "little"  # the frames are little-endian
 @dataclass(slots=True)
 class SeqSampling:
     seq: int = wire_field(lo=0, hi=MAX_LIST - 1)  # the sequence's index in the step
-    sampling: Sampling = wire_field()
+    sampling: SamplingParams = wire_field()
 
 
 @dataclass(slots=True)
@@ -76,11 +78,11 @@ class StepColumns:
         self.sampling: list[dict] = []
 
     def add(self, seq_id: int, start: int, n: int, sample: bool, pages_add: Sequence[int],
-            after: bool, sampling: Sampling | None = None) -> None:
+            after: bool, sampling: SamplingParams | None = None) -> None:
         """The next sequence's columns and added pages (its input ids go to `tokens`)."""
         if sampling is not None:
             self.sampling.append({"seq": len(self.cols) // COLUMNS,
-                                  "sampling": to_header(sampling)})
+                                  "sampling": msgspec.to_builtins(sampling)})
         self.cols.extend((seq_id, start, n, 1 if sample else 0, len(pages_add),
                           1 if after else 0))
         self.pages.extend(pages_add)

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -96,7 +97,7 @@ class Api:
         body = await _parse(request, CompletionRequest)
         self._check_model(body.model)
         body.refuse_unsupported()
-        options = body.options(body.max_tokens or 16, _user(request, body))
+        options = body.options(body.max_tokens, _user(request, body))
         msgs = [build_generate(**prompt, **options) for prompt in body.prompts()]
         return await self._respond(request, body, msgs, chat=False)
 
@@ -110,7 +111,8 @@ class Api:
         if limit is None:  # as many tokens as the context and the pool leave
             msg.prompt_token_ids, msg.messages = prompt_ids(msg, self.codec), None
             room = min(self.serve.model.max_context, self.serve.kv_pages * self.serve.page_size)
-            msg.max_tokens = max(1, room - len(msg.prompt_token_ids))
+            msg.sampling = msgspec.structs.replace(
+                msg.sampling, max_tokens=max(1, room - len(msg.prompt_token_ids)))
         return await self._respond(request, body, [msg], chat=True)
 
     async def models(self, request: Request) -> Response:
@@ -150,8 +152,7 @@ class Api:
 
     async def _respond(self, request: Request, body: BaseModel, msgs: list[Generate],
                        chat: bool) -> Response:
-        shape = Shape(body, chat, msgs[0].request_id, self.model, self.serve.exact,
-                      self.keepalive)
+        shape = Shape(body, chat, msgs[0], self.model, self.serve.exact, self.keepalive)
         calls = Calls(self.client, msgs)
         try:
             if not body.stream:
@@ -168,17 +169,17 @@ class Api:
 class Shape:
     """One HTTP call's responses in OpenAI's shapes: completions or chat, whole or chunked."""
 
-    def __init__(self, body: Any, chat: bool, request_id: str, model: str, exact: bool,
+    def __init__(self, body: Any, chat: bool, first: Generate, model: str, exact: bool,
                  keepalive: float | None):
         self.body = body
         self.keepalive = keepalive
         self.chat = chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.id = ("chatcmpl-" if chat else "cmpl-") + first.request_id
         self.object = "chat.completion" if chat else "text_completion"
         self.model = model
         self.exact = exact
         self.created = int(time.time())
-        self.n = body.n
+        self.n = first.sampling.n
 
     def response(self, results: list[Result]) -> dict:
         choices = []

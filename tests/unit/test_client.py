@@ -30,6 +30,7 @@ from protocol.messages import (
     StatusReply,
     Usage,
 )
+from protocol.sampling import SamplingParams
 from protocol.wire import decode, encode
 
 # message received -> replies: messages, raw frame lists, or a float (seconds to pause)
@@ -124,8 +125,8 @@ def test_generate_returns_the_result_and_ignores_keepalives_and_strangers(serve)
     )
     assert (r.token_ids, r.text, r.finish_reason) == ([5, 6], "ab", "length")
     assert server.next() == Generate(
-        request_id="r1", prompt="Hello", max_tokens=2, stop=["\n"], seed=7, stream=False,
-        batched_chunks=True,
+        request_id="r1", prompt="Hello", sampling=SamplingParams(max_tokens=2, stop=["\n"], seed=7),
+        stream=False, batched_chunks=True,
     )
     assert server.nothing_more()  # no Abort for a request that finished
 
@@ -210,7 +211,8 @@ def test_chat_sends_messages(serve):
     with Client(server.endpoint, timeout=5) as c:
         assert c.chat([{"role": "user", "content": "Hi"}], max_tokens=4).text == "Hello!"
     sent = server.next()
-    assert (sent.messages, sent.prompt, sent.max_tokens) == ([ChatMessage("user", "Hi")], None, 4)
+    assert (sent.messages, sent.prompt, sent.sampling.max_tokens) == (
+        [ChatMessage("user", "Hi")], None, 4)
 
 
 def test_status_returns_the_status_map(serve):
