@@ -4,8 +4,8 @@ the model knows, and a size that can ever fit the model's context and the KV poo
 from __future__ import annotations
 
 from array import array
-from dataclasses import asdict
 
+import msgspec
 import numpy as np
 
 from protocol.errors import ErrorCode, RequestError
@@ -23,7 +23,8 @@ def prompt_ids(msg: Generate, codec: TextCodec) -> list[int] | array:
         return ids if isinstance(ids, array) else list(ids)
     try:
         if msg.messages is not None:
-            return codec.encode(codec.render_chat([asdict(m) for m in msg.messages]), bos=False)
+            chat = [msgspec.structs.asdict(m) for m in msg.messages]
+            return codec.encode(codec.render_chat(chat), bos=False)
         return codec.encode(msg.prompt)
     except Exception as e:  # a template or tokenizer error is the request's fault
         raise RequestError(ErrorCode.INVALID_REQUEST,

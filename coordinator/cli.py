@@ -9,9 +9,8 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import asdict, fields
 
-import msgspec.inspect
+import msgspec
 
 from protocol.help_formatter import HelpFormatter
 from protocol.sampling import SamplingParams
@@ -256,7 +255,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace):
     from .config import CoordinatorConfig
 
-    worker = WorkerConfig(**{f.name: getattr(args, f.name) for f in fields(WorkerConfig)})
+    worker = WorkerConfig(**{name: getattr(args, name) for name in WorkerConfig.__struct_fields__})
     return CoordinatorConfig(
         worker=worker, workers=args.workers, devices=args.devices.split(","),
         prefix_cache=args.prefix_cache,
@@ -401,7 +400,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(json.dumps({"request_id": r.request_id, "text": r.text, "token_ids": r.token_ids,
                           "finish_reason": r.finish_reason, "usage": r.usage,
                           "prompt_token_ids": r.prompt_token_ids,
-                          "choices": [asdict(choice) for choice in r.choices]}))
+                          "choices": [msgspec.structs.asdict(c) for c in r.choices]}))
     elif args.n == 1:
         print(r.text)
     else:

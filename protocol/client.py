@@ -11,12 +11,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 
-from .errors import ErrorCode, ProtocolError, RequestError
+from .errors import ErrorCode, ProtocolError, RequestError, invalid
 from .messages import (
     Abort,
     Choice,
@@ -29,7 +30,6 @@ from .messages import (
     StatusReply,
 )
 from .sampling import SamplingParams, sampling_params
-from .schema import from_header
 from .security import is_loopback, secure_client
 from .wire import MAX_MESSAGE_BYTES, decode, encode, token_ids
 
@@ -113,7 +113,10 @@ def build_generate(
         "user": user,
         "batched_chunks": True,  # Replies.deliver reads CHUNKS
     }
-    msg = from_header(Generate, header)
+    try:
+        msg = msgspec.convert(header, Generate)
+    except msgspec.ValidationError as e:
+        raise invalid(e, "Generate") from None
     msg.prompt_token_ids = ids
     msg.check()
     return msg
@@ -124,7 +127,7 @@ def completion(result: Result) -> Completion:
         request_id=result.request_id,
         choices=sorted(result.choices, key=lambda c: c.index),
         prompt_token_ids=result.prompt_token_ids,
-        usage=asdict(result.usage),
+        usage=msgspec.structs.asdict(result.usage),
     )
 
 

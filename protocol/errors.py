@@ -44,16 +44,17 @@ _AT = re.compile(r"(.*) - at `\$\.?((?:\w|\[).*)`", re.DOTALL)
 _NAMED = re.compile(r"Object (contains unknown|missing required) field `(.*)`", re.DOTALL)
 
 
-def invalid(e: msgspec.ValidationError) -> ProtocolError:
+def invalid(e: msgspec.ValidationError, what: str | None = None) -> ProtocolError:
     """msgspec's words for a value that does not fit its type, the field named first:
-    "field 'sampling.n': expected `int` <= 64", "unknown field 'choices[0].x'"."""
+    "field 'sampling.n': expected `int` <= 64", "unknown field 'choices[0].x'"; `what` (the
+    message's type) names the whole where no field is at fault."""
     m = _AT.fullmatch(str(e))
-    what, where = m.groups() if m else (str(e), "")
-    if named := _NAMED.fullmatch(what):
+    text, where = m.groups() if m else (str(e), "")
+    if named := _NAMED.fullmatch(text):
         kind, name = named.groups()
         field = f"{where}.{name}" if where else name
         return ProtocolError(f"{'unknown' if kind[0] == 'c' else 'missing'} field {field!r}",
                              field=field)
     if not where:
-        return ProtocolError(what)
-    return ProtocolError(f"field {where!r}: {what[:1].lower()}{what[1:]}", field=where)
+        return ProtocolError(f"{what}: {text[:1].lower()}{text[1:]}" if what else text)
+    return ProtocolError(f"field {where!r}: {text[:1].lower()}{text[1:]}", field=where)

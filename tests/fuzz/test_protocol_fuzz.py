@@ -5,7 +5,6 @@ Seeded `random.Random` loops (hypothesis is not a dependency), a few thousand ca
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import struct
 from array import array
@@ -143,7 +142,7 @@ def random_value(rng: random.Random, depth: int = 0) -> Any:
 
 def random_header(rng: random.Random, cls: type) -> dict[Any, Any]:
     """Mostly the type's own field names with random values, sometimes a stray key."""
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = list(cls.__struct_fields__)
     header: dict[Any, Any] = {
         name: random_value(rng) for name in names if rng.random() < 0.6
     }
