@@ -108,8 +108,10 @@ def _core(streams: int):
 
 def _submit(requests, key: int, prompt: list[int], max_tokens: int) -> None:
     from protocol.messages import Submit
+    from protocol.sampling import SamplingParams
 
-    msg = Submit(key=key, n_prompt=len(prompt), max_tokens=max_tokens, ignore_eos=True,
+    msg = Submit(key=key, n_prompt=len(prompt),
+                 sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                  arrival=time.monotonic(), client=f"client {key}")
     requests.submit(0, msg, memoryview(array("i", prompt).tobytes()), VOCAB, None)
 

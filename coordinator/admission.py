@@ -4,8 +4,8 @@ the model knows, and a size that can ever fit the model's context and the KV poo
 from __future__ import annotations
 
 from array import array
-from dataclasses import asdict
 
+import msgspec
 import numpy as np
 
 from protocol.errors import ErrorCode, RequestError
@@ -23,7 +23,8 @@ def prompt_ids(msg: Generate, codec: TextCodec) -> list[int] | array:
         return ids if isinstance(ids, array) else list(ids)
     try:
         if msg.messages is not None:
-            return codec.encode(codec.render_chat([asdict(m) for m in msg.messages]), bos=False)
+            chat = [msgspec.structs.asdict(m) for m in msg.messages]
+            return codec.encode(codec.render_chat(chat), bos=False)
         return codec.encode(msg.prompt)
     except Exception as e:  # a template or tokenizer error is the request's fault
         raise RequestError(ErrorCode.INVALID_REQUEST,
@@ -40,11 +41,11 @@ def check_fits(prompt: list[int] | array, msg: Generate, model: ModelInfo, kv_pa
     if len(prompt) >= ctx:
         raise RequestError(ErrorCode.TOO_LONG, f"the prompt has {len(prompt)} tokens; "
                            f"the model's context is {ctx}")
-    need = pages_for(min(len(prompt) + msg.max_tokens, ctx), page_size)
+    need = pages_for(min(len(prompt) + msg.sampling.max_tokens, ctx), page_size)
     if need > kv_pages:
         raise RequestError(
             ErrorCode.TOO_LONG,
-            f"{len(prompt)} prompt tokens + max_tokens {msg.max_tokens} need {need} KV "
+            f"{len(prompt)} prompt tokens + max_tokens {msg.sampling.max_tokens} need {need} KV "
             f"pages; the pool has {kv_pages}")
 
 

@@ -9,9 +9,11 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import asdict, fields
+
+import msgspec
 
 from protocol.help_formatter import HelpFormatter
+from protocol.sampling import SamplingParams
 from protocol.worker_config import DTYPES, KV_MODES, OVERLAP, WorkerConfig
 
 from .config import is_endpoint
@@ -80,7 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the text to complete (with --system: a user message)")
     _endpoint(gen)
     _sampling_args(gen)
-    gen.add_argument("-n", type=int, default=1, help="completions of the prompt")
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
     gen.add_argument("--json", action="store_true", help="print the whole result as JSON")
     gen.set_defaults(func=cmd_generate)
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = command("chat", help="chat interactively, streaming replies",
                    description="chat with the model; type /help for the commands")
     _endpoint(chat)
-    _sampling_args(chat, max_tokens=256)
+    _sampling_args(chat, max_tokens=256, skip=("n",))
     chat.set_defaults(func=cmd_chat)
 
     status = command("status", help="show a running cluster")
@@ -136,19 +137,28 @@ def endpoints(text: str) -> str:
     return ",".join(full)
 
 
-def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 64) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens,
-                   help="tokens to generate at most (the library's default is 16; a choice also "
-                   "ends at the model's context)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="sampling seed: the same seed gives the same tokens")
-    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                   help="end a completion at this text (may be given several times)")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="go on past the end-of-sequence token, up to --max-tokens")
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 64,
+                   skip: tuple[str, ...] = ()) -> None:
+    """A flag for each of `SamplingParams`' fields but `skip` (`n` is `-n`), with the type's
+    default (`max_tokens`'s is the command's) and meaning."""
+    kinds = msgspec.inspect
+    for f in kinds.type_info(SamplingParams).fields:
+        if f.name in skip:
+            continue
+        t = f.type
+        if isinstance(t, kinds.UnionType):  # X | None
+            (t,) = [u for u in t.types if not isinstance(u, kinds.NoneType)]
+        flag = "-n" if f.name == "n" else "--" + f.name.replace("_", "-")
+        a = {"dest": f.name, "help": t.extra_json_schema["description"]}
+        if isinstance(t.type, kinds.BoolType):
+            a["action"] = "store_true"
+        elif isinstance(t.type, kinds.ListType):
+            one = int if isinstance(t.type.item_type, kinds.IntType) else str
+            a.update(action="append", type=one, metavar="ID" if one is int else "TEXT")
+        else:
+            a.update(type=int if isinstance(t.type, kinds.IntType) else float,
+                     default=max_tokens if f.name == "max_tokens" else f.default)
+        p.add_argument(flag, **a)
     p.add_argument("--system", default=None, metavar="TEXT",
                    help="a system prompt (generate: the prompt becomes a chat's user message)")
 
@@ -248,7 +258,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace):
     from .config import CoordinatorConfig
 
-    worker = WorkerConfig(**{f.name: getattr(args, f.name) for f in fields(WorkerConfig)})
+    worker = WorkerConfig(**{name: getattr(args, name) for name in WorkerConfig.__struct_fields__})
     return CoordinatorConfig(
         worker=worker, workers=args.workers, devices=args.devices.split(","),
         prefix_cache=args.prefix_cache,
@@ -372,9 +382,8 @@ def _client(args: argparse.Namespace):
 
 
 def _sampling(args: argparse.Namespace) -> dict:
-    return {"max_tokens": args.max_tokens, "temperature": args.temperature,
-            "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
-            "stop": args.stop, "ignore_eos": args.ignore_eos}
+    return {name: getattr(args, name) for name in SamplingParams.__struct_fields__
+            if hasattr(args, name)}
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -390,12 +399,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
                 print(chunk.text, end="", flush=True)
             print()
             return
-        r = c.generate(**prompt, n=args.n, **_sampling(args))
+        r = c.generate(**prompt, **_sampling(args))
     if args.json:
         print(json.dumps({"request_id": r.request_id, "text": r.text, "token_ids": r.token_ids,
                           "finish_reason": r.finish_reason, "usage": r.usage,
                           "prompt_token_ids": r.prompt_token_ids,
-                          "choices": [asdict(choice) for choice in r.choices]}))
+                          "choices": [msgspec.structs.asdict(c) for c in r.choices]}))
     elif args.n == 1:
         print(r.text)
     else:

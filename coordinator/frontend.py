@@ -456,9 +456,7 @@ class Frontend:
         self.requests[key] = out
         self.by_client[(identity, msg.request_id)] = key
         self._to_core(Submit(
-            key=key, n_prompt=len(prompt), n=msg.n, max_tokens=msg.max_tokens,
-            temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed,
-            stop_token_ids=msg.stop_token_ids, ignore_eos=msg.ignore_eos, priority=msg.priority,
+            key=key, n_prompt=len(prompt), sampling=msg.sampling, priority=msg.priority,
             arrival=arrival, client=identity.hex() if msg.user is None else "user:" + msg.user),
             [prompt_bytes(prompt)])
 

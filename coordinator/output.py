@@ -59,8 +59,8 @@ class RequestOutput:
         self.msg = msg
         self.prompt_ids = prompt_ids
         self.choices = [ChoiceText(i, Detokenizer(codec, prompt_ids),
-                                   ChunkFrames(msg.request_id, i)) for i in range(msg.n)]
-        self.hold = max((len(s) for s in msg.stop), default=1) - 1
+                                   ChunkFrames(msg.request_id, i)) for i in range(msg.sampling.n)]
+        self.hold = max((len(s) for s in msg.sampling.stop), default=1) - 1
         self.last_sent = 0.0  # when the client last heard of it (keepalives)
         self.arrival = 0.0  # time.monotonic() when it reached the frontend
         self.first_token_at: float | None = None
@@ -80,7 +80,8 @@ class RequestOutput:
             return False
         searched = len(c.tail)
         c.tail += piece
-        cut = find_stop(c.tail, self.msg.stop, searched) if self.msg.stop else None
+        stop = self.msg.sampling.stop
+        cut = find_stop(c.tail, stop, searched) if stop else None
         if cut is None:
             if not self.msg.stream and len(c.tail) > self.hold + SETTLE_CHARS:
                 c.settle(len(c.tail) - self.hold)  # chunks() settles a stream's text

@@ -3,7 +3,9 @@ into its frames (`StepColumns`). Reads the scheduler's decisions and changes not
 
 from __future__ import annotations
 
-from protocol.messages import MsgType, PageCopy, PageMove, Sampling
+import msgspec
+
+from protocol.messages import MsgType, PageCopy, PageMove
 from protocol.step_frames import StepColumns
 from protocol.wire import message
 
@@ -18,9 +20,7 @@ def step_frames(step: int, sched: Schedule, hold: bool = False) -> list:
                                               sched.after):
         sampling = None
         if seq.id in sched.announce:
-            p = seq.request.params
-            sampling = Sampling(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                seed=seq.seed)
+            sampling = msgspec.structs.replace(seq.request.params.sampling, seed=seq.seed)
         c.add(seq.id, start, n, sample, sched.new_pages.get(seq.id, ()), after, sampling)
         if after:
             c.tokens.append(0)  # a placeholder: the worker has the token

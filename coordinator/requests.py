@@ -64,7 +64,7 @@ class Requests:
         self.queued[msg.client] += 1
         self.scheduler.add_request(req)
         self.live[(frontend, msg.key)] = req
-        self.metrics.prompt_tokens.inc(len(prompt) * msg.n)
+        self.metrics.prompt_tokens.inc(len(prompt) * msg.sampling.n)
 
     def _refuse(self, frontend: int, key: int, code: ErrorCode, message: str) -> None:
         self.metrics.request_errors.labels(code=code.value).inc()

@@ -90,7 +90,7 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         """Queue a request's `n` choices. They compute the prompt once: the first stops before
         its last token and hands its pages to the others (`fork`)."""
-        p = req.params
+        p = req.params.sampling
         tag = max(self.admitted_tag, self.client_tags.get(req.client, 0)) + 1
         self.client_tags[req.client] = tag
         if len(self.client_tags) > 4096:  # clients that are not ahead of the clock need no tag
@@ -214,7 +214,7 @@ class Scheduler:
                 continue
             seq.token_ids.append(token)
             out.tokens.append((seq, token))
-            p = seq.request.params
+            p = seq.request.params.sampling
             if token in seq.request.stop_ids:
                 seq.finish_reason = "stop"
             elif seq.n_generated >= p.max_tokens or len(seq.token_ids) >= self.max_context:
@@ -345,7 +345,7 @@ class Scheduler:
         if not seq.tokens_ahead:  # prompt chunks in flight: the next one's tokens are known
             return seq.n_remaining > 0 and (seq.fork_at is None
                                             or seq.next_position < seq.fork_at)
-        return (seq.n_generated + seq.tokens_ahead < seq.request.params.max_tokens
+        return (seq.n_generated + seq.tokens_ahead < seq.request.params.sampling.max_tokens
                 and len(seq.token_ids) + seq.tokens_ahead < self.max_context)
 
     def _cached_run(self, seq: Sequence) -> list[int]:

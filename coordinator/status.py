@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import msgspec
 
 from protocol.messages import ModelInfo
 
@@ -40,5 +40,6 @@ def cluster_status(config: CoordinatorConfig, model: ModelInfo | None, scheduler
         "park": {"slots_total": s.park_slots.n_pages, "slots_used": s.park_slots.n_used},
         "requests": {"running": len(s.running), "waiting": len(s.waiting),
                      "parked": len(s.parked)},
-        "config": {k: v for k, v in asdict(config).items() if k not in ("curve_keys", "api_key")},
+        "config": {k: v for k, v in msgspec.to_builtins(config).items()
+                   if k not in ("curve_keys", "api_key")},
     }

@@ -12,12 +12,13 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 
-from .errors import ErrorCode, ProtocolError, RequestError
+from .errors import ErrorCode, ProtocolError, RequestError, invalid
 from .messages import (
     Abort,
     Choice,
@@ -29,7 +30,7 @@ from .messages import (
     Status,
     StatusReply,
 )
-from .schema import from_header
+from .sampling import SamplingParams, sampling_params
 from .security import is_loopback, secure_client
 from .wire import MAX_MESSAGE_BYTES, decode, encode, token_ids
 
@@ -81,48 +82,42 @@ def build_generate(
     *,
     prompt_token_ids: Sequence[int] | None = None,
     messages: Sequence[dict[str, str]] | None = None,
-    max_tokens: int = 16,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    stop: str | Sequence[str] | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    ignore_eos: bool = False,
     priority: int = 0,
-    n: int = 1,
     request_id: str | None = None,
     stream: bool = False,
     user: str | None = None,
+    sampling: SamplingParams | None = None,
+    **options: Any,
 ) -> Generate:
     """The Generate message for a call's options, checked as the server checks it.
 
     Give one of `prompt`, `prompt_token_ids` or `messages` (chat: role/content maps, rendered
     with the model's chat template). `user` names whom the request is for: the server's queue is
-    fair between users (by default, between client connections). Bad options raise
-    ProtocolError (`invalid_request`) before anything is sent.
+    fair between users (by default, between client connections). The sampling options are
+    `SamplingParams`' fields (protocol/sampling.py; `stop` may be one string), or `sampling`
+    holds them checked already. Bad options raise ProtocolError (`invalid_request`) before
+    anything is sent.
     """
+    if sampling is None:
+        sampling = sampling_params(**options)
+    elif options:
+        raise TypeError(f"give `sampling` or its fields ({', '.join(options)}), not both")
     ids = None if prompt_token_ids is None else token_ids(prompt_token_ids)
     header = {
         "request_id": uuid.uuid4().hex if request_id is None else request_id,
         "prompt": prompt,
         "prompt_token_ids": None,  # `ids`, set below: a list would be checked id by id
         "messages": None if messages is None else list(messages),
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "seed": seed,
-        "stop": [stop] if isinstance(stop, str) else list(stop or ()),
-        "stop_token_ids": list(stop_token_ids or ()),
-        "ignore_eos": ignore_eos,
+        "sampling": sampling,
         "priority": priority,
-        "n": n,
         "stream": stream,
         "user": user,
         "batched_chunks": True,  # Replies.deliver reads CHUNKS
     }
-    msg = from_header(Generate, header)
+    try:
+        msg = msgspec.convert(header, Generate)
+    except msgspec.ValidationError as e:
+        raise invalid(e, "Generate") from None
     msg.prompt_token_ids = ids
     msg.check()
     return msg
@@ -133,7 +128,7 @@ def completion(result: Result) -> Completion:
         request_id=result.request_id,
         choices=sorted(result.choices, key=lambda c: c.index),
         prompt_token_ids=result.prompt_token_ids,
-        usage=asdict(result.usage),
+        usage=msgspec.structs.asdict(result.usage),
     )
 
 

@@ -1,14 +1,17 @@
-"""Message types: one small dataclass per type byte, each field with its limits
-(`schema.wire_field`), checked on decode by `protocol/schema.py`."""
+"""Message types: one small msgspec Struct per type byte, each field's limits in its type
+(`Meta`), checked as msgspec decodes a header into it (`protocol/wire.py`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import datetime
 from enum import IntEnum
-from typing import ClassVar
+from typing import Annotated, Any, ClassVar
+
+import msgspec
+from msgspec import Meta
 
 from .errors import ProtocolError
-from .schema import wire_field
+from .sampling import SamplingParams
 from .worker_config import MAX_BUSY_POLL, WorkerConfig
 
 
@@ -49,43 +52,50 @@ MAX_ID = 128  # characters in a request id
 MAX_TEXT = 1 << 20  # characters in a prompt or a chat message
 MAX_TOKENS_LIST = 1 << 20  # token ids in one list
 MAX_LIST = 1 << 16  # items in any other list
-MAX_STOP_CHARS = 256  # characters in one stop string
 MAX_PRIORITY = 1000  # priorities are in [-1000, 1000]; higher runs first and is preempted last
+
+Id = Annotated[str, Meta(max_length=MAX_ID)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT)]
+Code = Annotated[str, Meta(max_length=32)]  # an error code, a finish reason
+Why = Annotated[str, Meta(max_length=1 << 16)]  # an error's message
+Address = Annotated[str, Meta(max_length=256)]  # an endpoint, a host name
+Count = Annotated[int, Meta(ge=0)]  # ids, indices, steps, pids, counts
+Positive = Annotated[int, Meta(ge=1)]
+Rank = Annotated[int, Meta(ge=0, le=4095)]
+Priority = Annotated[int, Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY)]
+Seconds = Annotated[float, Meta(ge=0.0)]
+Ints = Annotated[list[int], Meta(max_length=MAX_LIST)]
+TokenIds = Annotated[list[int], Meta(max_length=MAX_TOKENS_LIST)]
+
+
+class Wire(msgspec.Struct, forbid_unknown_fields=True):
+    """What every message and the structs inside one are: a msgpack map of exactly its fields
+    on the wire; an unknown field is refused, so a typo is an error, not an ignored knob."""
 
 
 # ---- client <-> coordinator -------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class ChatMessage:
-    role: str = wire_field(max_len=64)
-    content: str = wire_field(max_len=MAX_TEXT)
+class ChatMessage(Wire):
+    role: Annotated[str, Meta(max_length=64)]
+    content: Text
 
 
-@dataclass(slots=True)
-class Generate:
+class Generate(Wire):
     TYPE: ClassVar[MsgType] = MsgType.GENERATE
-    request_id: str = wire_field(max_len=MAX_ID)
-    prompt: str | None = wire_field(None, max_len=MAX_TEXT)
+    request_id: Id
+    prompt: Text | None = None
     # In the header as a list, or (what `wire.encode` sends) as the message's raw frame of
     # uint32 ids, which `wire.decode` gives as an array("I"): no per-id work on either side.
-    prompt_token_ids: list[int] | None = wire_field(None, max_len=MAX_TOKENS_LIST)
-    messages: list[ChatMessage] | None = wire_field(None, max_len=4096)
-    max_tokens: int = wire_field(16, lo=1, hi=1 << 24)
-    temperature: float = wire_field(0.0, lo=0.0, hi=100.0)
-    top_p: float = wire_field(1.0, lo=0.0, hi=1.0)
-    top_k: int = wire_field(0, lo=0, hi=1 << 24)
-    seed: int | None = wire_field(None, lo=0, hi=(1 << 63) - 1)
-    stop: list[str] = wire_field([], max_len=64)
-    stop_token_ids: list[int] = wire_field([], max_len=1024)
-    ignore_eos: bool = wire_field(False)
-    priority: int = wire_field(0, lo=-MAX_PRIORITY, hi=MAX_PRIORITY)
-    n: int = wire_field(1, lo=1, hi=64)
-    stream: bool = wire_field(False)
-    user: str | None = wire_field(None, max_len=256)  # whom the fair queue counts it for
+    prompt_token_ids: TokenIds | None = None
+    messages: Annotated[list[ChatMessage], Meta(max_length=4096)] | None = None
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    priority: Priority = 0
+    stream: bool = False
+    user: Address | None = None  # whom the fair queue counts it for
     # the client reads CHUNKS: this request's chunks may come with others' of the same step in
     # one message (`build_generate` asks for it; a client that omits it gets CHUNK only)
-    batched_chunks: bool = wire_field(False)
+    batched_chunks: bool = False
 
     def check(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
@@ -94,254 +104,228 @@ class Generate:
         ids = self.prompt_token_ids
         if self.prompt == "" or (ids is not None and not len(ids)) or self.messages == []:
             raise ProtocolError("the prompt is empty")
-        if self.top_p <= 0.0:
-            raise ProtocolError("top_p must be in (0, 1]")
-        if any(s == "" for s in self.stop):
-            raise ProtocolError("stop strings must not be empty")
-        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
-            raise ProtocolError(f"field 'stop': a stop string is longer than {MAX_STOP_CHARS} "
-                                "characters")
         if self.messages is not None and (
                 total := sum(len(m.content) for m in self.messages)) > MAX_TEXT:
             raise ProtocolError(f"field 'messages' holds {total} characters of content; the "
                                 f"limit is {MAX_TEXT} in all")
         # an array("I") of ids (from a frame) holds none below 0
-        if min(self.stop_token_ids, default=0) < 0 or (
-                type(ids) is list and min(ids, default=0) < 0):
+        if type(ids) is list and min(ids, default=0) < 0:
             raise ProtocolError("token ids must not be negative")
 
 
-@dataclass(slots=True)
-class Abort:
+class Abort(Wire):
     TYPE: ClassVar[MsgType] = MsgType.ABORT
-    request_id: str = wire_field(max_len=MAX_ID)
+    request_id: Id
 
 
-@dataclass(slots=True)
-class Status:
+class Status(Wire):
     TYPE: ClassVar[MsgType] = MsgType.STATUS
 
 
-@dataclass(slots=True)
-class Chunk:
+class Chunk(Wire):
     TYPE: ClassVar[MsgType] = MsgType.CHUNK
-    request_id: str = wire_field(max_len=MAX_ID)
-    index: int = wire_field(0, lo=0)
-    token_ids: list[int] = wire_field([], max_len=MAX_TOKENS_LIST)
-    text: str = wire_field("", max_len=MAX_TEXT)
-    finish_reason: str | None = wire_field(None, max_len=32)  # set on a choice's last chunk
+    request_id: Id
+    index: Count = 0
+    token_ids: TokenIds = []
+    text: Text = ""
+    finish_reason: Code | None = None  # set on a choice's last chunk
 
 
-@dataclass(slots=True)
-class Chunks:
+class Chunks(Wire):
     """One step's chunks for the requests of one client connection that set `batched_chunks`,
     in one message instead of one each: a frontend's and a client's cost per streamed token is
     mostly the message's, not its contents'."""
     TYPE: ClassVar[MsgType] = MsgType.CHUNKS
-    chunks: list[Chunk] = wire_field([], max_len=MAX_LIST)
+    chunks: Annotated[list[Chunk], Meta(max_length=MAX_LIST)] = []
 
 
-@dataclass(slots=True)
-class Choice:
-    index: int = wire_field(0, lo=0)
-    token_ids: list[int] = wire_field([], max_len=MAX_TOKENS_LIST)
-    text: str = wire_field("", max_len=1 << 26)
-    finish_reason: str = wire_field("stop", max_len=32)
-    preemptions: int = wire_field(0, lo=0)
+class Choice(Wire):
+    index: Count = 0
+    token_ids: TokenIds = []
+    text: Annotated[str, Meta(max_length=1 << 26)] = ""
+    finish_reason: Code = "stop"
+    preemptions: Count = 0
 
 
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int = wire_field(0, lo=0)
-    completion_tokens: int = wire_field(0, lo=0)
+class Usage(Wire):
+    prompt_tokens: Count = 0
+    completion_tokens: Count = 0
 
 
-@dataclass(slots=True)
-class Result:
+class Result(Wire):
     TYPE: ClassVar[MsgType] = MsgType.RESULT
-    request_id: str = wire_field(max_len=MAX_ID)
-    prompt_token_ids: list[int] = wire_field([], max_len=MAX_TOKENS_LIST)
-    choices: list[Choice] = wire_field([], max_len=64)
-    usage: Usage = field(default_factory=Usage)
+    request_id: Id
+    prompt_token_ids: TokenIds = []
+    choices: Annotated[list[Choice], Meta(max_length=64)] = []
+    usage: Usage = msgspec.field(default_factory=Usage)
 
 
-@dataclass(slots=True)
-class StatusReply:
+class StatusReply(Wire):
     TYPE: ClassVar[MsgType] = MsgType.STATUS_REPLY
-    status: dict = field(default_factory=dict)
+    status: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        stack: list[Any] = [self.status]
+        while stack:  # not recursive: msgpack may nest past Python's recursion limit
+            item = stack.pop()
+            if isinstance(item, dict):
+                stack.extend(item.values())
+            elif isinstance(item, (list, tuple)):
+                stack.extend(item)
+            elif isinstance(item, (msgspec.msgpack.Ext, datetime.datetime)):  # a timestamp's
+                raise ValueError(f"a msgpack extension type ({type(item).__name__}) in 'status'")
 
 
-@dataclass(slots=True)
-class Error:
+class Error(Wire):
     TYPE: ClassVar[MsgType] = MsgType.ERROR
-    code: str = wire_field(max_len=32)
-    message: str = wire_field(max_len=1 << 16)
-    request_id: str | None = wire_field(None, max_len=MAX_ID)
+    code: Code
+    message: Why
+    request_id: Id | None = None
 
 
 # ---- coordinator <-> worker -------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class Register:
+class Register(Wire):
     TYPE: ClassVar[MsgType] = MsgType.REGISTER
-    rank: int = wire_field(-1, lo=-1, hi=4095)  # -1: any rank
-    device: str = wire_field("cpu", max_len=64)
-    pid: int = wire_field(0, lo=0)
-    hostname: str = wire_field("", max_len=256)
-    data_endpoint: str = wire_field("", max_len=256)  # where this worker's activation PULL listens
+    rank: Annotated[int, Meta(ge=-1, le=4095)] = -1  # -1: any rank
+    device: Annotated[str, Meta(max_length=64)] = "cpu"
+    pid: Count = 0
+    hostname: Address = ""
+    data_endpoint: Address = ""  # where this worker's activation PULL listens
 
 
-@dataclass(slots=True)
-class Assign:
+class Assign(Wire):
     TYPE: ClassVar[MsgType] = MsgType.ASSIGN
-    rank: int = wire_field(lo=0, hi=4095)
-    n_workers: int = wire_field(lo=1, hi=4096)
-    config: WorkerConfig = wire_field()
-    next_endpoint: str | None = wire_field(None, max_len=256)
-    layer_start: int | None = wire_field(None, lo=0)
-    layer_end: int | None = wire_field(None, lo=0)
-    metrics_port: int | None = wire_field(None, lo=0, hi=65535)
+    rank: Rank
+    n_workers: Annotated[int, Meta(ge=1, le=4096)]
+    config: WorkerConfig
+    next_endpoint: Address | None = None
+    layer_start: Count | None = None
+    layer_end: Count | None = None
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
 
 
-@dataclass(slots=True)
-class ModelInfo:
-    name: str = wire_field(max_len=4096)
-    n_layers: int = wire_field(lo=1)
-    vocab_size: int = wire_field(lo=1)
-    max_context: int = wire_field(lo=1)
-    tokenizer_json: str = wire_field(max_len=1 << 28)
-    chat_template: str | None = wire_field(None, max_len=1 << 20)
-    bos_id: int | None = wire_field(None, lo=0)
-    add_bos: bool = wire_field(False)
-    eos_ids: list[int] = wire_field([], max_len=64)
+class ModelInfo(Wire):
+    name: Annotated[str, Meta(max_length=4096)]
+    n_layers: Positive
+    vocab_size: Positive
+    max_context: Positive
+    tokenizer_json: Annotated[str, Meta(max_length=1 << 28)]
+    chat_template: Annotated[str, Meta(max_length=1 << 20)] | None = None
+    bos_id: Count | None = None
+    add_bos: bool = False
+    eos_ids: Annotated[list[int], Meta(max_length=64)] = []
 
 
-@dataclass(slots=True)
-class Ready:
+class Ready(Wire):
     TYPE: ClassVar[MsgType] = MsgType.READY
-    rank: int = wire_field(lo=0)
-    layer_start: int = wire_field(lo=0)
-    layer_end: int = wire_field(lo=0)
-    device: str = wire_field("cpu", max_len=64)
-    kv_bytes_per_page: int = wire_field(0, lo=0)
-    model: ModelInfo | None = wire_field(None)  # from rank 0 only
+    rank: Count
+    layer_start: Count
+    layer_end: Count
+    device: Annotated[str, Meta(max_length=64)] = "cpu"
+    kv_bytes_per_page: Count = 0
+    model: ModelInfo | None = None  # from rank 0 only
 
 
-@dataclass(slots=True)
-class Heartbeat:
+class Heartbeat(Wire):
     TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
-    rank: int = wire_field(lo=0)
-    pid: int = wire_field(0, lo=0)  # a worker's, matched with its REGISTER (0: a frontend's)
+    rank: Count
+    pid: Count = 0  # a worker's, matched with its REGISTER (0: a frontend's)
     # a worker's forward passes so far (every stage's time shows in `status`; the last stage's
     # also comes with each STEP_RESULT)
-    forward_seconds: float = wire_field(0.0, lo=0.0)
-    steps: int = wire_field(0, lo=0)
+    forward_seconds: Seconds = 0.0
+    steps: Count = 0
 
 
-@dataclass(slots=True)
-class Sampling:
-    temperature: float = wire_field(0.0, lo=0.0)
-    top_p: float = wire_field(1.0, lo=0.0, hi=1.0)
-    top_k: int = wire_field(0, lo=0)
-    seed: int = wire_field(0, lo=0, hi=(1 << 63) - 1)
-
-
-@dataclass(slots=True)
-class SeqPlan:
+class SeqPlan(Wire):
     """One sequence's part of a step: `n` tokens at positions start .. start+n-1."""
 
-    id: int = wire_field(lo=0)
-    start: int = wire_field(lo=0)
-    n: int = wire_field(lo=1)
-    pages_add: list[int] = wire_field([], max_len=MAX_LIST)  # appended to its page table first
-    sample: bool = wire_field(False)  # sample a token after the last of the n positions
-    sampling: Sampling | None = wire_field(None)  # the first time the worker sees this sequence
+    id: Count
+    start: Count
+    n: Positive
+    pages_add: Ints = []  # appended to its page table first
+    sample: bool = False  # sample a token after the last of the n positions
+    # the first time the worker sees this sequence; its `seed` is the sequence's own
+    sampling: SamplingParams | None = None
     # its one row's input is the token it sampled in its last step, which the coordinator has
     # not seen yet: the worker takes it from the device (the plan's token id is a placeholder)
-    after: bool = wire_field(False)
+    after: bool = False
 
 
-@dataclass(slots=True)
-class PageMove:
+class PageMove(Wire):
     """Park (`pages` -> park `slots`) or restore (`slots` -> `pages`) one sequence's KV. A
     restored sequence's page table is `kept` (pages that stayed resident: shared with another
     sequence when it was parked, or found in the prefix cache since) then `pages`; `slots`
     restored are the last of those its park filled."""
 
-    id: int = wire_field(lo=0)
-    pages: list[int] = wire_field([], max_len=MAX_LIST)
-    slots: list[int] = wire_field([], max_len=MAX_LIST)
-    kept: list[int] = wire_field([], max_len=MAX_LIST)
+    id: Count
+    pages: Ints = []
+    slots: Ints = []
+    kept: Ints = []
 
 
-@dataclass(slots=True)
-class PageCopy:
+class PageCopy(Wire):
     """Copy one page into another (the copy-on-write tail of a forked prompt)."""
 
-    src: int = wire_field(lo=0)
-    dst: int = wire_field(lo=0)
+    src: Count
+    dst: Count
 
 
-@dataclass(slots=True)
-class Step:
+class Step(Wire):
     """A step, applied in this order: free, park, restore, copies, then the sequences' rows.
     On the wire as columns (protocol/step_frames.py), not as this map."""
 
     TYPE: ClassVar[MsgType] = MsgType.STEP
-    step: int = wire_field(lo=0)
-    seqs: list[SeqPlan] = wire_field([], max_len=MAX_LIST)
-    token_ids: list[int] = wire_field([], max_len=MAX_TOKENS_LIST)  # sum of seqs' n, in order
-    free: list[int] = wire_field([], max_len=MAX_LIST)  # sequences to forget before this step
-    park: list[PageMove] = wire_field([], max_len=MAX_LIST)
-    restore: list[PageMove] = wire_field([], max_len=MAX_LIST)  # sets the sequence's page table
-    copies: list[PageCopy] = wire_field([], max_len=MAX_LIST)
+    step: Count
+    seqs: Annotated[list[SeqPlan], Meta(max_length=MAX_LIST)] = []
+    token_ids: TokenIds = []  # sum of seqs' n, in order
+    free: Ints = []  # sequences to forget before this step
+    park: Annotated[list[PageMove], Meta(max_length=MAX_LIST)] = []
+    # a restore sets the sequence's page table
+    restore: Annotated[list[PageMove], Meta(max_length=MAX_LIST)] = []
+    copies: Annotated[list[PageCopy], Meta(max_length=MAX_LIST)] = []
     # the worker keeps this step's result until that of a later step that does not hold: the
     # engine core hears of a group of steps (--multi-step) in one wake
-    hold: bool = wire_field(False)
+    hold: bool = False
 
 
-@dataclass(slots=True)
-class StepResult:
+class StepResult(Wire):
     TYPE: ClassVar[MsgType] = MsgType.STEP_RESULT
-    step: int = wire_field(lo=0)
-    seq_ids: list[int] = wire_field([], max_len=MAX_LIST)
-    tokens: list[int] = wire_field([], max_len=MAX_LIST)
-    forward_seconds: float = wire_field(0.0, lo=0.0)
-    park_seconds: float = wire_field(0.0, lo=0.0)  # parks and restores of this step, last stage
+    step: Count
+    seq_ids: Ints = []
+    tokens: Ints = []
+    forward_seconds: Seconds = 0.0
+    park_seconds: Seconds = 0.0  # parks and restores of this step, last stage
 
 
-@dataclass(slots=True)
-class StepError:
+class StepError(Wire):
     TYPE: ClassVar[MsgType] = MsgType.STEP_ERROR
-    step: int = wire_field(lo=0)
-    code: str = wire_field(max_len=32)
-    message: str = wire_field(max_len=1 << 16)
-    seq_ids: list[int] = wire_field([], max_len=MAX_LIST)  # the sequences at fault; [] = the step
+    step: Count
+    code: Code
+    message: Why
+    seq_ids: Ints = []  # the sequences at fault; [] = the step
 
 
-@dataclass(slots=True)
-class Shutdown:
+class Shutdown(Wire):
     TYPE: ClassVar[MsgType] = MsgType.SHUTDOWN
 
 
-@dataclass(slots=True)
-class Reset:
+class Reset(Wire):
     """The coordinator is regrouping its workers (one was lost, or it does not know this one:
     it restarted, or this worker was cut off): drop everything and register again."""
 
     TYPE: ClassVar[MsgType] = MsgType.RESET
-    reason: str = wire_field("", max_len=512)
+    reason: Annotated[str, Meta(max_length=512)] = ""
 
 
-@dataclass(slots=True)
-class Activations:
+class Activations(Wire):
     """Hidden states of one step, [T, dim], in the single raw frame that follows."""
 
     TYPE: ClassVar[MsgType] = MsgType.ACTIVATIONS
-    step: int = wire_field(lo=0)
-    dtype: str = wire_field(max_len=16)
-    shape: list[int] = wire_field([], max_len=8)
+    step: Count
+    dtype: Annotated[str, Meta(max_length=16)]
+    shape: Annotated[list[int], Meta(max_length=8)] = []
 
 
 # ---- frontend <-> engine core ------------------------------------------------------------------
@@ -350,104 +334,88 @@ class Activations:
 # ids. Request keys are the frontend's own integers; the core names a request by (frontend, key).
 
 
-@dataclass(slots=True)
-class FrontendHello:
+class FrontendHello(Wire):
     TYPE: ClassVar[MsgType] = MsgType.FRONTEND_HELLO
-    index: int = wire_field(lo=0, hi=4095)
-    pid: int = wire_field(0, lo=0)
+    index: Rank
+    pid: Count = 0
 
 
-@dataclass(slots=True)
-class Serve:
+class Serve(Wire):
     """Core -> frontend, once the workers are ready: what a frontend needs to admit requests."""
 
     TYPE: ClassVar[MsgType] = MsgType.SERVE
-    model: ModelInfo = field(default_factory=lambda: ModelInfo("", 1, 1, 1, ""))
-    kv_pages: int = wire_field(1, lo=1)
-    page_size: int = wire_field(1, lo=1)
-    exact: bool = wire_field(False)  # the cluster runs in exact mode (HTTP responses say so)
+    model: ModelInfo = msgspec.field(default_factory=lambda: ModelInfo("", 1, 1, 1, ""))
+    kv_pages: Positive = 1
+    page_size: Positive = 1
+    exact: bool = False  # the cluster runs in exact mode (HTTP responses say so)
     # seconds a frontend polls in a loop after a message (`--busy-poll`, as the core resolved
     # it against the workers' devices)
-    busy_poll: float = wire_field(0.0, lo=0.0, hi=MAX_BUSY_POLL)
+    busy_poll: Annotated[float, Meta(ge=0.0, le=MAX_BUSY_POLL)] = 0.0
 
 
-@dataclass(slots=True)
-class Listening:
+class Listening(Wire):
     TYPE: ClassVar[MsgType] = MsgType.LISTENING
-    index: int = wire_field(lo=0, hi=4095)
-    endpoint: str = wire_field(max_len=256)
+    index: Rank
+    endpoint: Address
 
 
-@dataclass(slots=True)
-class Submit:
+class Submit(Wire):
     """A request as token ids; the prompt is the one raw frame (int32, `n_prompt` of them)."""
 
     TYPE: ClassVar[MsgType] = MsgType.SUBMIT
-    key: int = wire_field(0, lo=0)
-    n_prompt: int = wire_field(1, lo=1, hi=MAX_TOKENS_LIST)
-    n: int = wire_field(1, lo=1, hi=64)
-    max_tokens: int = wire_field(16, lo=1, hi=1 << 24)
-    temperature: float = wire_field(0.0, lo=0.0, hi=100.0)
-    top_p: float = wire_field(1.0, lo=0.0, hi=1.0)
-    top_k: int = wire_field(0, lo=0, hi=1 << 24)
-    seed: int | None = wire_field(None, lo=0, hi=(1 << 63) - 1)
-    stop_token_ids: list[int] = wire_field([], max_len=1024)
-    ignore_eos: bool = wire_field(False)
-    priority: int = wire_field(0, lo=-MAX_PRIORITY, hi=MAX_PRIORITY)
-    arrival: float = wire_field(0.0)  # time.monotonic() when the frontend received it
-    client: str = wire_field("", max_len=300)  # whom the fair queue counts it for
+    key: Count = 0
+    n_prompt: Annotated[int, Meta(ge=1, le=MAX_TOKENS_LIST)] = 1
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    priority: Priority = 0
+    arrival: float = 0.0  # time.monotonic() when the frontend received it
+    client: Annotated[str, Meta(max_length=300)] = ""  # whom the fair queue counts it for
 
 
-@dataclass(slots=True)
-class Cancel:
+class Cancel(Wire):
     """Frontend -> core: stop a request's choice (`index`, or -1 for all of them), because a
     stop string ended it (`stop`) or its client aborted or went away (`abort`)."""
 
     TYPE: ClassVar[MsgType] = MsgType.CANCEL
-    key: int = wire_field(lo=0)
-    index: int = wire_field(-1, lo=-1, hi=63)
-    reason: str = wire_field("abort", max_len=16)
+    key: Count
+    index: Annotated[int, Meta(ge=-1, le=63)] = -1
+    reason: Annotated[str, Meta(max_length=16)] = "abort"
 
 
-@dataclass(slots=True)
-class Finished:
+class Finished(Wire):
     """A choice the core has ended. `stop` from the core means a stop token (EOS or one of
     `stop_token_ids`): the choice's token in the same message is that token, not text."""
 
-    key: int = wire_field(lo=0)
-    index: int = wire_field(lo=0, hi=63)
-    reason: str = wire_field(max_len=16)
-    preemptions: int = wire_field(0, lo=0)
+    key: Count
+    index: Annotated[int, Meta(ge=0, le=63)]
+    reason: Annotated[str, Meta(max_length=16)]
+    preemptions: Count = 0
 
 
-@dataclass(slots=True)
-class Failed:
-    key: int = wire_field(lo=0)
-    code: str = wire_field(max_len=32)
-    message: str = wire_field(max_len=1 << 16)
+class Failed(Wire):
+    key: Count
+    code: Code
+    message: Why
 
 
-@dataclass(slots=True)
-class Outputs:
+class Outputs(Wire):
     """Core -> frontend after a step: its tokens in one raw frame of int64 rows
     (key, index, token), `n_rows` of them, then the choices that ended and requests that
     failed."""
 
     TYPE: ClassVar[MsgType] = MsgType.OUTPUTS
-    n_rows: int = wire_field(0, lo=0, hi=MAX_LIST)
-    finished: list[Finished] = wire_field([], max_len=MAX_LIST)
-    failed: list[Failed] = wire_field([], max_len=MAX_LIST)
+    n_rows: Annotated[int, Meta(ge=0, le=MAX_LIST)] = 0
+    finished: Annotated[list[Finished], Meta(max_length=MAX_LIST)] = []
+    failed: Annotated[list[Failed], Meta(max_length=MAX_LIST)] = []
 
 
-@dataclass(slots=True)
-class Report:
+class Report(Wire):
     """Frontend -> core: what only the frontend saw, for the core's metrics (counts since the
     last report)."""
 
     TYPE: ClassVar[MsgType] = MsgType.REPORT
-    errors: dict = field(default_factory=dict)  # error code -> requests refused
-    dropped: int = wire_field(0, lo=0)  # malformed client messages
-    rejected: int = wire_field(0, lo=0)  # client connections refused by CURVE authentication
+    errors: Annotated[dict[Code, Count], Meta(max_length=64)] = {}  # code -> requests refused
+    dropped: Count = 0  # malformed client messages
+    rejected: Count = 0  # client connections refused by CURVE authentication
 
 
 MESSAGES: dict[MsgType, type] = {

@@ -19,44 +19,45 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated
+
+from msgspec import Meta
 
 from .errors import ProtocolError
 from .messages import (
     MAX_LIST,
     MAX_TOKENS_LIST,
+    Count,
+    Ints,
     PageCopy,
     PageMove,
-    Sampling,
     SeqPlan,
     Step,
+    Wire,
 )
-from .schema import from_header, to_header, wire_field
+from .sampling import SamplingParams
 
 COLUMNS = 6  # id, start, n, sample, pages added, after
 FRAMES = 3
 _SWAP = sys.byteorder != "little"  # the frames are little-endian
 
 
-@dataclass(slots=True)
-class SeqSampling:
-    seq: int = wire_field(lo=0, hi=MAX_LIST - 1)  # the sequence's index in the step
-    sampling: Sampling = wire_field()
+class SeqSampling(Wire):
+    seq: Annotated[int, Meta(ge=0, le=MAX_LIST - 1)]  # the sequence's index in the step
+    sampling: SamplingParams
 
 
-@dataclass(slots=True)
-class StepHeader:
-    step: int = wire_field(lo=0)
-    n_seqs: int = wire_field(0, lo=0, hi=MAX_LIST)
-    n_pages: int = wire_field(0, lo=0, hi=MAX_TOKENS_LIST)
-    n_tokens: int = wire_field(0, lo=0, hi=MAX_TOKENS_LIST)
-    sampling: list[SeqSampling] = wire_field([], max_len=MAX_LIST)
-    free: list[int] = wire_field([], max_len=MAX_LIST)
-    park: list[PageMove] = wire_field([], max_len=MAX_LIST)
-    restore: list[PageMove] = wire_field([], max_len=MAX_LIST)
-    copies: list[PageCopy] = wire_field([], max_len=MAX_LIST)
-    hold: bool = wire_field(False)
+class StepHeader(Wire):
+    step: Count
+    n_seqs: Annotated[int, Meta(ge=0, le=MAX_LIST)] = 0
+    n_pages: Annotated[int, Meta(ge=0, le=MAX_TOKENS_LIST)] = 0
+    n_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKENS_LIST)] = 0
+    sampling: Annotated[list[SeqSampling], Meta(max_length=MAX_LIST)] = []
+    free: Ints = []
+    park: Annotated[list[PageMove], Meta(max_length=MAX_LIST)] = []
+    restore: Annotated[list[PageMove], Meta(max_length=MAX_LIST)] = []
+    copies: Annotated[list[PageCopy], Meta(max_length=MAX_LIST)] = []
+    hold: bool = False
 
 
 def _little(a: array) -> array:
@@ -73,14 +74,13 @@ class StepColumns:
 
     def __init__(self) -> None:
         self.cols, self.pages, self.tokens = array("q"), array("q"), array("q")
-        self.sampling: list[dict] = []
+        self.sampling: list[SeqSampling] = []
 
     def add(self, seq_id: int, start: int, n: int, sample: bool, pages_add: Sequence[int],
-            after: bool, sampling: Sampling | None = None) -> None:
+            after: bool, sampling: SamplingParams | None = None) -> None:
         """The next sequence's columns and added pages (its input ids go to `tokens`)."""
         if sampling is not None:
-            self.sampling.append({"seq": len(self.cols) // COLUMNS,
-                                  "sampling": to_header(sampling)})
+            self.sampling.append(SeqSampling(len(self.cols) // COLUMNS, sampling))
         self.cols.extend((seq_id, start, n, 1 if sample else 0, len(pages_add),
                           1 if after else 0))
         self.pages.extend(pages_add)
@@ -91,9 +91,7 @@ class StepColumns:
         """(the header map, the three frames) of the step numbered `step`."""
         header = {"step": step, "n_seqs": len(self.cols) // COLUMNS, "n_pages": len(self.pages),
                   "n_tokens": len(self.tokens), "sampling": self.sampling, "free": free,
-                  "park": [to_header(m) for m in park],
-                  "restore": [to_header(m) for m in restore],
-                  "copies": [to_header(c) for c in copies]}
+                  "park": park, "restore": restore, "copies": copies}
         if hold:  # absent is False: most steps
             header["hold"] = True
         return header, [_little(self.cols), _little(self.pages), _little(self.tokens)]
@@ -120,9 +118,8 @@ def _column(frame: memoryview, n: int, what: str) -> array:
     return a
 
 
-def decode_step(fields: Any, frames: list[memoryview]) -> Step:
-    """The header map and FRAMES frames of a STEP -> the Step; raises ProtocolError."""
-    h = from_header(StepHeader, fields)
+def decode_step(h: StepHeader, frames: list[memoryview]) -> Step:
+    """A STEP's decoded header and FRAMES frames -> the Step; raises ProtocolError."""
     cols = _column(frames[0], COLUMNS * h.n_seqs, "sequences")
     pages = _column(frames[1], h.n_pages, "pages").tolist()
     tokens = _column(frames[2], h.n_tokens, "token ids").tolist()

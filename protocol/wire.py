@@ -1,7 +1,8 @@
 """Frame codec: `[b"SIDING/1", type (1 byte), header (msgpack map), *raw frames]`.
 
-msgpack is decoded with strict limits and no extension types, so a header can only ever become
-maps, lists, strings, numbers, booleans and None. Nothing on any socket is unpickled.
+A header is decoded by msgspec straight into its type's Struct (`messages.py`), each field
+checked against its type and bounds as it is read, in C; nothing else can come of it. Nothing on
+any socket is unpickled.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgpack
+import msgspec
 import zmq
 
-from .errors import ProtocolError
+from .errors import ProtocolError, invalid
 from .messages import FRAMES, MAX_LIST, MAX_TOKENS_LIST, MESSAGES, Generate, MsgType, Step
-from .schema import from_header, to_header
 from .step_frames import FRAMES as STEP_FRAMES
-from .step_frames import decode_step, encode_step
+from .step_frames import StepHeader, decode_step, encode_step
 
 VERSION = b"SIDING/1"
 MAX_HEADER_BYTES = 64 << 20  # a READY carries the tokenizer; everything else is far smaller
@@ -28,22 +29,29 @@ MAX_MESSAGE_BYTES = 1 << 30  # socket MAXMSGSIZE: activations of a large prefill
 MAX_CLIENT_MESSAGE_BYTES = 16 << 20
 
 
+_pack = msgspec.msgpack.Encoder().encode
+# a header's decoder by type byte: a STEP's header is its rare parts (step_frames.py)
+_DECODERS = {kind: msgspec.msgpack.Decoder(StepHeader if kind is MsgType.STEP else cls)
+             for kind, cls in MESSAGES.items()}
+
+
 def encode(msg: Any, frames: Sequence[bytes | memoryview] = ()) -> list[bytes | memoryview]:
     """A message's frames; `frames`: its raw frames (a STEP and a GENERATE of token ids make
     their own)."""
     if type(msg) is Step:
-        fields, frames = encode_step(msg)
+        header, frames = encode_step(msg)
+    elif type(msg) is Generate and (frame := prompt_frame(msg.prompt_token_ids)) is not None:
+        header, frames = msgspec.structs.replace(msg, prompt_token_ids=None), [frame]
     else:
-        fields = to_header(msg)
-        if type(msg) is Generate and (frame := prompt_frame(msg.prompt_token_ids)) is not None:
-            fields["prompt_token_ids"], frames = None, [frame]
-    return message(msg.TYPE, fields, frames)
+        header = msg
+    return message(msg.TYPE, header, frames)
 
 
-def message(kind: MsgType, fields: dict, frames: Sequence[bytes | memoryview | array] = ()
+def message(kind: MsgType, header: Any, frames: Sequence[bytes | memoryview | array] = ()
             ) -> list[bytes | memoryview]:
-    """The frames of a message of type `kind` from its header map and raw frames."""
-    return [VERSION, bytes([kind]), msgpack.packb(fields, use_bin_type=True), *frames]
+    """The frames of a message of type `kind` from its header (a Struct, or a map of one's
+    fields) and raw frames."""
+    return [VERSION, bytes([kind]), _pack(header), *frames]
 
 
 def token_ids(ids: Sequence[int]) -> array:
@@ -93,15 +101,14 @@ def decode(parts: Sequence[Any]) -> tuple[Any, list[memoryview]]:
     elif len(frames) != expected:
         raise ProtocolError(f"{msg_type.name} carries {expected} raw frames, got {len(frames)}")
     try:
-        fields = msgpack.unpackb(header, raw=False, strict_map_key=True, use_list=True)
-    except msgpack.ExtraData:
-        raise ProtocolError("trailing bytes after the msgpack header") from None
-    except Exception as e:  # msgpack raises several types for garbage and truncation
+        msg = _DECODERS[msg_type].decode(header)
+    except msgspec.ValidationError as e:
+        raise invalid(e, MESSAGES[msg_type].__name__) from None
+    except Exception as e:  # garbage, truncation: DecodeError, UnicodeDecodeError, RecursionError
         detail = f"{type(e).__name__}: {e}".rstrip(": ")
         raise ProtocolError(f"malformed msgpack header ({detail[:160]})") from None
     if msg_type is MsgType.STEP:
-        return decode_step(fields, frames), []
-    msg = from_header(MESSAGES[msg_type], fields)
+        return decode_step(msg, frames), []
     if msg_type is MsgType.GENERATE and frames:
         msg.prompt_token_ids = _prompt_ids(msg, frames[0])
         return msg, []
@@ -165,7 +172,7 @@ def drain(sock: zmq.Socket, handle, malformed, limit: int = 1000,
 
 class ChunkFrames:
     """One choice's CHUNK messages with the fixed fields (request id, index) packed once: a
-    streamed token then costs three small packs instead of a dataclass and its header map."""
+    streamed token then costs three small packs instead of a Struct and its encoding."""
 
     _TEXT = msgpack.packb("text")
     _FINISH = msgpack.packb("finish_reason")

@@ -3,9 +3,10 @@ of its knobs, and what the engine core derives from them (`steps_ahead`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Annotated
 
-from .schema import wire_field
+import msgspec
+from msgspec import Meta
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_PAGES = 1 << 24  # KV pages or park slots of one pool
@@ -28,32 +29,31 @@ def steps_ahead(overlap: str, device: str, kv: str) -> int:
     return STEPS_AHEAD if cuda and kv == "device" else 1
 
 
-@dataclass(slots=True)
-class WorkerConfig:
+class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     """What every worker of a cluster is built from, carried whole from the CLI (one flag per
     field, of the same name: `coordinator/cli.py`) through the coordinator's config and ASSIGN
     to the worker's composition root (`worker/build.py`). A new worker knob is a field here and
     its flag there. The coordinator reads the ones it shares (pages, batch rows, exact, busy
     polling)."""
 
-    model: str = wire_field("smollm2-135m", max_len=4096)
-    dtype: str = wire_field("auto", max_len=32)
-    kv: str = wire_field("device", max_len=16)  # where the KV pages live: device, or host memory
-    pipeline_depth: int = wire_field(1, lo=0, hi=64)  # staging ring slots delivered ahead
-    ring_budget_mib: int = wire_field(512, lo=0, hi=1 << 31)  # the ring's device memory (0: no cap)
-    exact: bool = wire_field(False)
-    cuda_graphs: bool = wire_field(True)  # CUDA steps replayed from graphs (worker/cuda_graphs.py)
-    overlap: str = wire_field("auto", max_len=8)  # steps enqueued ahead (auto: on for CUDA)
+    model: Annotated[str, Meta(max_length=4096)] = "smollm2-135m"
+    dtype: Annotated[str, Meta(max_length=32)] = "auto"
+    kv: Annotated[str, Meta(max_length=16)] = "device"  # where the KV pages live: device, host
+    pipeline_depth: Annotated[int, Meta(ge=0, le=64)] = 1  # staging ring slots delivered ahead
+    ring_budget_mib: Annotated[int, Meta(ge=0, le=1 << 31)] = 512  # ring's device memory; 0: no cap
+    exact: bool = False
+    cuda_graphs: bool = True  # CUDA steps replayed from graphs (worker/cuda_graphs.py)
+    overlap: Annotated[str, Meta(max_length=8)] = "auto"  # steps enqueued ahead (auto: on for CUDA)
     # seconds a process polls in a loop after a message before it sleeps (None: auto, 1 s on
     # CUDA, else 0; protocol/busy_poll.py), each worker by its own device; the engine core and
     # the frontends follow it too, auto by the devices the workers report
-    busy_poll: float | None = wire_field(None, lo=0.0, hi=MAX_BUSY_POLL)
-    page_size: int = wire_field(16, lo=1, hi=4096)
-    kv_pages: int = wire_field(1024, lo=1, hi=1 << 31)
-    park_pages: int | None = wire_field(None, lo=0, hi=1 << 31)  # park store slots (None: kv_pages)
-    max_batch_seqs: int = wire_field(64, lo=1, hi=1 << 20)
-    max_batch_tokens: int = wire_field(512, lo=1, hi=1 << 24)  # graphs are captured up to it
-    transport_delay_ms: float = wire_field(0.0, lo=0.0, hi=10_000.0)  # tests: every copy delayed
+    busy_poll: Annotated[float, Meta(ge=0.0, le=MAX_BUSY_POLL)] | None = None
+    page_size: Annotated[int, Meta(ge=1, le=4096)] = 16
+    kv_pages: Annotated[int, Meta(ge=1, le=1 << 31)] = 1024
+    park_pages: Annotated[int, Meta(ge=0, le=1 << 31)] | None = None  # park slots; None: kv_pages
+    max_batch_seqs: Annotated[int, Meta(ge=1, le=1 << 20)] = 64
+    max_batch_tokens: Annotated[int, Meta(ge=1, le=1 << 24)] = 512  # graphs are captured up to it
+    transport_delay_ms: Annotated[float, Meta(ge=0.0, le=10_000.0)] = 0.0  # tests: copies delayed
 
     def __post_init__(self) -> None:
         if self.park_pages is None:

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import torch
 
+from protocol.sampling import SamplingParams
+
 from .batch import ints_into
-from .sampler import KEEP_ALL, Draws, SamplingParams, draw, float_bits, sample_tokens
+from .sampler import KEEP_ALL, Draws, draw, float_bits, sample_tokens
 
 MAX_DRAW_ROWS = 64
 _ONE_BITS, _ALL_BITS = float_bits([1.0, KEEP_ALL])  # what padding rows draw with

@@ -8,13 +8,14 @@ import torch
 
 from protocol.errors import ProtocolError
 from protocol.messages import SeqPlan, Step
+from protocol.sampling import SamplingParams
 
 from .batch import BatchMeta, build_meta, device_ints
 from .cuda_graphs import Head, StepGraphs
 from .kv.park_store import ParkStore
 from .kv.pool import Pool
 from .model import StageModel
-from .sampler import SamplingParams, sample_tokens
+from .sampler import sample_tokens
 from .step import PagedStep, run_eagerly
 
 
@@ -75,8 +76,7 @@ class ModelRunner:
         for s in plan.seqs:
             table = self.add_pages(s)
             if s.sampling is not None:
-                sp = s.sampling
-                self.sampling[s.id] = SamplingParams(sp.temperature, sp.top_p, sp.top_k, sp.seed)
+                self.sampling[s.id] = s.sampling
             if len(table) * self.pool.page_size < s.start + s.n:
                 raise SequenceFault(s.id, "positions past its pages")
             if s.after and (s.n != 1 or s.id not in self.drawn or not self.first):

@@ -15,24 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol.sampling import SamplingParams
+
 from .batch import device_ints
 
 _MASK64 = (1 << 64) - 1
 GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's
 # the same as signed int64, for tensor arithmetic (signed; multiplication wraps)
 _GOLDEN_I64, _MIX1_I64, _MIX2_I64 = (c - (1 << 64) for c in (GOLDEN, MIX1, MIX2))
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
 
 
 def draw_seed(seed: int, position: int) -> int:

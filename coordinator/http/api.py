@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -102,7 +103,7 @@ class Api:
         body = await _parse(request, CompletionRequest)
         self._check_model(body.model)
         body.refuse_unsupported()
-        options = body.options(body.max_tokens or 16, _user(request, body))
+        options = body.options(body.max_tokens, _user(request, body))
         msgs = [build_generate(**prompt, **options) for prompt in body.prompts()]
         return await self._respond(request, body, msgs, chat=False)
 
@@ -117,7 +118,8 @@ class Api:
             s = self.serve
             msg.prompt_token_ids, msg.messages = prompt_ids(msg, self.codec), None
             room = min(s.model.max_context, s.kv_pages * s.page_size)
-            msg.max_tokens = max(1, room - len(msg.prompt_token_ids))
+            msg.sampling = msgspec.structs.replace(
+                msg.sampling, max_tokens=max(1, room - len(msg.prompt_token_ids)))
             try:  # refused here, before a message past the wire's limits fails the connection
                 check_fits(msg.prompt_token_ids, msg, s.model, s.kv_pages, s.page_size)
             except RequestError as e:  # that every HTTP call of this frontend shares
@@ -173,8 +175,7 @@ class Api:
 
     async def _respond(self, request: Request, body: BaseModel, msgs: list[Generate],
                        chat: bool) -> Response:
-        shape = Shape(body, chat, msgs[0].request_id, self.model, self.serve.exact,
-                      self.keepalive)
+        shape = Shape(body, chat, msgs[0], self.model, self.serve.exact, self.keepalive)
         calls = Calls(self.client, msgs)
         try:
             if not body.stream:
@@ -191,17 +192,17 @@ class Api:
 class Shape:
     """One HTTP call's responses in OpenAI's shapes: completions or chat, whole or chunked."""
 
-    def __init__(self, body: Any, chat: bool, request_id: str, model: str, exact: bool,
+    def __init__(self, body: Any, chat: bool, first: Generate, model: str, exact: bool,
                  keepalive: float | None):
         self.body = body
         self.keepalive = keepalive
         self.chat = chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.id = ("chatcmpl-" if chat else "cmpl-") + first.request_id
         self.object = "chat.completion" if chat else "text_completion"
         self.model = model
         self.exact = exact
         self.created = int(time.time())
-        self.n = body.n
+        self.n = first.sampling.n
 
     def response(self, results: list[Result]) -> dict:
         choices = []

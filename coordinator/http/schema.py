@@ -1,11 +1,12 @@
 """The request bodies of the OpenAI API as siding accepts them, and what they become: the
-options of `build_generate`.
+options of `build_generate`, the sampling ones as `SamplingParams`.
 
 Fields are checked strictly (no strings for numbers) and unknown fields are refused, so a typo
-is an error rather than a silently ignored knob. Fields OpenAI defines that siding cannot honour
-(log probabilities, penalties, tools, ...) are refused with `unsupported` when they ask for
-something, and accepted at their neutral values. siding's own fields (`priority`, `ignore_eos`,
-`top_k`, `stop_token_ids`, `return_token_ids`) ride in the same body.
+is an error rather than a silently ignored knob; the sampling fields' bounds are
+`SamplingParams`' own, checked as the body is mapped onto it. Fields OpenAI defines that
+siding cannot honour (log probabilities, penalties, tools, ...) are refused with `unsupported`
+when they ask for something, and accepted at their neutral values. siding's own fields
+(`priority`, `ignore_eos`, `top_k`, `stop_token_ids`, `return_token_ids`) ride in the same body.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from protocol.errors import ProtocolError
 from protocol.messages import MAX_PRIORITY
+from protocol.sampling import SamplingParams, sampling_params
 
 from .errors import ApiError, unsupported
 
@@ -30,10 +33,10 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
-    temperature: float | None = Field(None, ge=0.0, le=100.0)  # None: OpenAI's default, 1
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=64)
-    seed: int | None = Field(None, ge=0, le=(1 << 63) - 1)
+    temperature: float | None = None  # None: OpenAI's default, 1
+    top_p: float | None = None
+    n: int | None = None
+    seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -43,8 +46,8 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     # siding's own
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
-    ignore_eos: bool = False
-    top_k: int = Field(0, ge=-1, le=1 << 24)  # 0 or -1: off
+    ignore_eos: bool | None = None
+    top_k: int | None = None  # 0 or -1: off
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
 
@@ -63,27 +66,26 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def options(self, max_tokens: int, user: str | None) -> dict[str, Any]:
+    def options(self, max_tokens: int | None, user: str | None) -> dict[str, Any]:
         """`build_generate`'s options, but for the prompt."""
-        return {
-            "user": user,
-            "max_tokens": max_tokens,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": max(0, self.top_k),
-            "seed": self.seed,
-            "stop": self.stop,
-            "stop_token_ids": self.stop_token_ids,
-            "ignore_eos": self.ignore_eos,
-            "priority": self.priority,
-            "n": self.n,
-            "stream": self.stream,
-        }
+        return {"user": user, "priority": self.priority, "stream": self.stream,
+                "sampling": self.sampling(max_tokens)}
+
+    def sampling(self, max_tokens: int | None) -> SamplingParams:
+        """The body's sampling fields as siding's; an ApiError names one out of its bounds."""
+        try:
+            return sampling_params(
+                max_tokens=max_tokens, temperature=1.0 if self.temperature is None
+                else self.temperature, top_p=self.top_p, n=self.n, seed=self.seed,
+                stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                top_k=0 if self.top_k == -1 else self.top_k)
+        except ProtocolError as e:
+            raise ApiError(400, e.message, "invalid_request", e.field) from None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, le=1 << 24)
+    max_tokens: int | None = None
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -136,8 +138,8 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=1 << 24)
-    max_completion_tokens: int | None = Field(None, ge=1, le=1 << 24)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None

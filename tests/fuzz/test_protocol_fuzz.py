@@ -5,7 +5,6 @@ Seeded `random.Random` loops (hypothesis is not a dependency), a few thousand ca
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import struct
 from array import array
@@ -41,7 +40,6 @@ from protocol.messages import (
     Report,
     Reset,
     Result,
-    Sampling,
     SeqPlan,
     Serve,
     Shutdown,
@@ -54,11 +52,13 @@ from protocol.messages import (
     Usage,
     WorkerConfig,
 )
+from protocol.sampling import SamplingParams
 from protocol.wire import VERSION, decode, encode
 
 CASES = 3000
 VALID = [  # seeds: one of each type, with nested fields filled in
-    Generate(request_id="r", messages=[ChatMessage("user", "Hi")], stop=["x"], seed=3, n=2),
+    Generate(request_id="r", messages=[ChatMessage("user", "Hi")],
+             sampling=SamplingParams(stop=["x"], seed=3, n=2)),
     Generate(request_id="r", prompt_token_ids=array("I", [1, 2, 3])),  # a frame of ids
     Abort("r"),
     Status(),
@@ -72,7 +72,7 @@ VALID = [  # seeds: one of each type, with nested fields filled in
     Ready(rank=0, layer_start=0, layer_end=1,
           model=ModelInfo("m", 1, 8, 64, "{}", None, 1, True, [2])),
     Heartbeat(rank=0),
-    Step(step=1, seqs=[SeqPlan(0, 0, 2, [1], True, Sampling())], token_ids=[7, 8], free=[3]),
+    Step(step=1, seqs=[SeqPlan(0, 0, 2, [1], True, SamplingParams())], token_ids=[7, 8], free=[3]),
     StepResult(step=1, seq_ids=[0], tokens=[9]),
     StepError(step=1, code="internal", message="x"),
     Shutdown(),
@@ -81,7 +81,8 @@ VALID = [  # seeds: one of each type, with nested fields filled in
     FrontendHello(index=0, pid=1),
     Serve(ModelInfo("m", 1, 8, 64, "{}", None, 1, True, [2]), kv_pages=8, page_size=4),
     Listening(index=0, endpoint="tcp://127.0.0.1:1"),
-    Submit(key=1, n_prompt=2, n=2, seed=3, stop_token_ids=[2], arrival=1.5),
+    Submit(key=1, n_prompt=2, sampling=SamplingParams(n=2, seed=3, stop_token_ids=[2]),
+           arrival=1.5),
     Cancel(key=1, index=0, reason="stop"),
     Outputs(n_rows=1, finished=[Finished(1, 0, "stop", 2)], failed=[Failed(2, "internal", "x")]),
     Report(errors={"too_long": 2}, dropped=1),
@@ -141,7 +142,7 @@ def random_value(rng: random.Random, depth: int = 0) -> Any:
 
 def random_header(rng: random.Random, cls: type) -> dict[Any, Any]:
     """Mostly the type's own field names with random values, sometimes a stray key."""
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = list(cls.__struct_fields__)
     header: dict[Any, Any] = {
         name: random_value(rng) for name in names if rng.random() < 0.6
     }

@@ -8,7 +8,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from worker.sampler import SamplingParams, draw_seed, sample, sample_tokens, uniforms  # noqa: E402
+from protocol.sampling import SamplingParams  # noqa: E402
+from worker.sampler import draw_seed, sample, sample_tokens, uniforms  # noqa: E402
 
 MIXED = [SamplingParams(), SamplingParams(temperature=0.7, top_k=5, seed=1),
          SamplingParams(temperature=1.3, top_p=0.8, seed=2),

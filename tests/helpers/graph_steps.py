@@ -5,9 +5,9 @@ by different amounts, and every step's hidden rows and tokens."""
 import torch
 
 from protocol.messages import SeqPlan, Step
+from protocol.sampling import SamplingParams
 from worker.build import build_runner, load_stage, make_pool
 from worker.runner import ModelRunner
-from worker.sampler import SamplingParams
 
 PAGE = 4
 PROMPTS = {1: 9, 2: 5, 3: 13, 4: 2, 5: 7}  # sequence id -> prompt length

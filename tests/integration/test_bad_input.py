@@ -106,7 +106,7 @@ def test_prompt_ids_in_a_frame_are_checked_as_in_a_header(cluster):
     id the model lacks, a negative one (huge, read as unsigned), and an empty prompt."""
     for ids, words in (([1, 2, 10**6], "vocabulary"), ([5, -1], "vocabulary"), ([], "empty")):
         err = error_of(raw_exchange(cluster.endpoint, [
-            VERSION, GENERATE, msgpack.packb({"request_id": "f", "max_tokens": 2}),
+            VERSION, GENERATE, msgpack.packb({"request_id": "f", "sampling": {"max_tokens": 2}}),
             array("i", ids).tobytes()]))
         assert (err["code"], err["request_id"]) == ("invalid_request", "f")
         assert words in err["message"]

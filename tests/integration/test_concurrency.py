@@ -8,6 +8,7 @@ import zmq
 
 from protocol import Client, RequestError
 from protocol.messages import Chunk, Chunks, Error, Generate
+from protocol.sampling import SamplingParams
 from protocol.wire import decode, encode
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):",
@@ -71,8 +72,8 @@ def test_one_connections_streams_share_a_chunks_message_only_if_they_ask(cluster
     for i in range(4):
         for rid in (f"b{i}", f"u{i}"):
             sock.send_multipart(encode(Generate(
-                request_id=rid, prompt=PROMPTS[i], max_tokens=12, ignore_eos=True, stream=True,
-                stop=["."], batched_chunks=rid in batched)))
+                request_id=rid, prompt=PROMPTS[i], stream=True, batched_chunks=rid in batched,
+                sampling=SamplingParams(max_tokens=12, ignore_eos=True, stop=["."]))))
     streamed = {rid: ([], "") for i in range(4) for rid in (f"b{i}", f"u{i}")}
     results, shared = {}, []
     while len(results) < 8:
@@ -102,8 +103,9 @@ def test_client_that_disconnects_mid_stream_frees_its_pages(cluster):
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(cluster.endpoint)
-    sock.send_multipart(encode(Generate(request_id="gone", prompt="Tell me a long story.",
-                                        max_tokens=2000, ignore_eos=True, stream=True)))
+    sock.send_multipart(encode(Generate(
+        request_id="gone", prompt="Tell me a long story.", stream=True,
+        sampling=SamplingParams(max_tokens=2000, ignore_eos=True))))
     assert sock.poll(60_000), "no chunk arrived"
     sock.recv_multipart()
     assert pages_used(cluster.endpoint) > 0

@@ -27,11 +27,11 @@ from protocol.errors import ProtocolError
 from protocol.messages import (
     MAX_ID,
     MAX_PRIORITY,
-    MAX_STOP_CHARS,
     MAX_TEXT,
     Error,
     MsgType,
 )
+from protocol.sampling import MAX_STOP_CHARS, SamplingParams
 from protocol.wire import VERSION, decode
 
 PROMPT = [72, 101, 108, 108, 111]
@@ -349,6 +349,8 @@ def fuzzed_generates(rng: random.Random, n: int) -> list[list[bytes]]:
                 header[rng.choice(["sneaky", "prompt", "request_id"])] = rng.choice(odd)
         if "messages" in header or "prompt_token_ids" in header:
             header.pop("prompt", None)
+        header["sampling"] = {k: header.pop(k) for k in list(header)
+                              if k in SamplingParams.__struct_fields__}
         try:
             out.append(raw_generate(header))
         except (TypeError, ValueError, OverflowError):  # not even msgpack can carry it

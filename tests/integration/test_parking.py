@@ -8,6 +8,7 @@ import zmq
 
 from protocol import Client, RequestError
 from protocol.messages import Generate
+from protocol.sampling import SamplingParams
 from protocol.wire import encode
 
 PROMPTS = [f"Write a long story about a {animal}." for animal in
@@ -97,8 +98,9 @@ def test_a_client_vanishing_while_parked_frees_everything(cluster):
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(cluster.endpoint)
-        sock.send_multipart(encode(Generate(request_id=f"r{i}", prompt=PROMPTS[i],
-                                            max_tokens=100, ignore_eos=True, stream=True)))
+        sock.send_multipart(encode(Generate(
+            request_id=f"r{i}", prompt=PROMPTS[i],
+            sampling=SamplingParams(max_tokens=100, ignore_eos=True), stream=True)))
         socks.append(sock)
     assert wait_until(lambda: status(cluster.endpoint)["requests"]["parked"] > 0)
     for sock in socks:

@@ -14,6 +14,7 @@ from coordinator.page_allocator import PageAllocator
 from coordinator.requests import Requests, merged
 from coordinator.scheduler import Scheduler
 from protocol.messages import MAX_LIST, Failed, Finished, Outputs, Submit
+from protocol.sampling import SamplingParams
 
 VOCAB = 1000
 
@@ -26,8 +27,8 @@ def core() -> tuple[Requests, Scheduler, list]:
 
 
 def submit(requests: Requests, key: int, ids: list[int], n_prompt: int | None = None) -> None:
-    msg = Submit(key=key, n_prompt=len(ids) if n_prompt is None else n_prompt, max_tokens=4,
-                 arrival=0.0, client="c")
+    msg = Submit(key=key, n_prompt=len(ids) if n_prompt is None else n_prompt,
+                 sampling=SamplingParams(max_tokens=4), arrival=0.0, client="c")
     requests.submit(0, msg, memoryview(array("i", ids).tobytes()), VOCAB, None)
 
 

@@ -12,6 +12,7 @@ from coordinator.schedule import Schedule
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import Request
 from protocol.messages import Submit
+from protocol.sampling import SamplingParams
 
 PAGE = 4
 
@@ -26,8 +27,9 @@ def scheduler(pages: int = 64, max_seqs: int = 8, max_tokens: int = 512,
 def request(key: int, prompt: list[int], max_tokens: int = 2, n: int = 1) -> Request:
     """As the core makes one: with the prompt's ids packed as its SUBMIT brought them."""
     return Request(frontend=0, key=key,
-                   params=Submit(key=key, max_tokens=max_tokens, n=n, temperature=1.0 if n > 1
-                                 else 0.0), prompt_ids=list(prompt), arrival=float(key),
+                   params=Submit(key=key, sampling=SamplingParams(
+                       max_tokens=max_tokens, n=n, temperature=1.0 if n > 1 else 0.0)),
+                   prompt_ids=list(prompt), arrival=float(key),
                    prompt_bytes=array("i", prompt).tobytes())
 
 

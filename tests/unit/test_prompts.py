@@ -3,9 +3,9 @@ would have given, honours cancellations, and bounds what one client may have wai
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -64,7 +64,7 @@ def test_the_thread_gives_the_loops_tokens_and_takes_clients_in_turn(prompts, mo
 
 def test_cancelled_jobs_are_dropped_and_errors_are_the_requests(model):
     ctx = zmq.Context()
-    prompts = PromptTokenizer(ctx, dataclasses.replace(model, chat_template=None))
+    prompts = PromptTokenizer(ctx, msgspec.structs.replace(model, chat_template=None))
     try:
         prompts.submit(job(b"A", "keep", prompt="x" * 50_000))
         prompts.submit(job(b"A", "drop", prompt="y" * 50_000))

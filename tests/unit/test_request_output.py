@@ -14,6 +14,7 @@ from coordinator import output
 from coordinator.output import RequestOutput
 from coordinator.text import Detokenizer, find_stop
 from protocol.messages import Generate
+from protocol.sampling import SamplingParams
 
 
 def reference(c, prompt: list[int], tokens: list[int], stop: list[str]
@@ -55,7 +56,8 @@ def test_long_outputs_with_stop_strings(stream: bool, settle_chars: int,
         stop = [] if trial % 8 == 0 else rng.sample(stops, 2) + ["tail"][:trial % 2]
         chunks, want, reason = reference(c, prompt, tokens, stop)
         out = RequestOutput(0, b"client", Generate(request_id="r", prompt_token_ids=prompt,
-                                                   stop=stop, stream=stream), prompt, c)
+                                                   sampling=SamplingParams(stop=stop),
+                                                   stream=stream), prompt, c)
         got_chunks = []
         for t in tokens:
             stopped = out.add_token(0, t, False)

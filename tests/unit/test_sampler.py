@@ -1,6 +1,7 @@
 import torch
 
-from worker.sampler import SamplingParams, draw_seed, sample
+from protocol.sampling import SamplingParams
+from worker.sampler import draw_seed, sample
 
 
 def test_greedy_is_argmax():

@@ -5,6 +5,7 @@ from coordinator.schedule import Schedule
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import Request, Sequence
 from protocol.messages import Submit
+from protocol.sampling import SamplingParams
 
 
 def make_seq(i: int, prompt_len: int, priority: int = 0) -> Sequence:
@@ -62,7 +63,7 @@ def ahead_scheduler(pages: int = 16, max_seqs: int = 8) -> Scheduler:
 
 
 def request_of(i: int, prompt_len: int, **params) -> Request:
-    return Request(frontend=0, key=i, params=Submit(key=i, **params),
+    return Request(frontend=0, key=i, params=Submit(key=i, sampling=SamplingParams(**params)),
                    prompt_ids=list(range(1, prompt_len + 1)), arrival=float(i))
 
 
@@ -271,7 +272,8 @@ def test_a_held_prompt_joins_once_it_has_waited_the_hold():
 
 
 def client_request(key: int, client: str, prompt_len: int = 2) -> Request:
-    return Request(frontend=0, key=key, params=Submit(key=key, max_tokens=1),
+    return Request(frontend=0, key=key,
+                   params=Submit(key=key, sampling=SamplingParams(max_tokens=1)),
                    prompt_ids=list(range(1, prompt_len + 1)), arrival=float(key), client=client)
 
 
@@ -310,8 +312,8 @@ def test_the_fair_queue_keeps_each_clients_order_and_alternates_between_clients(
 
 
 def long_request(key: int, client: str, priority: int = 0) -> Request:
-    return Request(frontend=0, key=key, params=Submit(key=key, max_tokens=1000,
-                                                      priority=priority),
+    return Request(frontend=0, key=key, params=Submit(key=key, priority=priority,
+                                                      sampling=SamplingParams(max_tokens=1000)),
                    prompt_ids=[1, 2], arrival=float(key), client=client)
 
 
