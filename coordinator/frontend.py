@@ -113,6 +113,7 @@ class Frontend:
         self.last_to_core = 0.0
         self.last_from_core = time.monotonic()
         self.core_down: str | None = None  # why the core is taken as down, while it is
+        self.heard = False  # the core's last messages were more than heartbeats (`_drain_core`)
         self.errors: Counter[str] = Counter()  # refused here, for the core's metrics
         self.dropped = 0
         # client connections refused by CURVE: counted by the monitor thread alone, reported
@@ -173,8 +174,11 @@ class Frontend:
         last_beat = last_check = last_trim = 0.0
         while True:
             events = self.busy.poll(poller, round(KEEPALIVE_SECONDS * 1000 / 2))
-            if self.core in events and self._drain_core():
-                return
+            if self.core in events:
+                if self._drain_core():
+                    return
+                if len(events) == 1 and not self.heard:  # the core's heartbeats of an idle
+                    self.busy.signs_of_life()  # cluster open no spin window
             if self.clients in events:
                 self._drain_clients()
             if self.prompts.ready in events:
@@ -229,7 +233,9 @@ class Frontend:
             return None, []
 
     def _drain_core(self) -> bool:
-        """Handle what the core sent; True once it says to shut down."""
+        """Handle what the core sent; True once it says to shut down. `heard`: whether any of
+        it was more than a heartbeat."""
+        self.heard = False
         for _ in range(1000):
             if not self.core.poll(0):
                 return False
@@ -238,6 +244,7 @@ class Frontend:
             if self.core_down is not None:
                 log.info("frontend %d: the engine core answers again", self.index)
                 self.core_down = None
+            self.heard |= not isinstance(msg, Heartbeat)
             if isinstance(msg, Outputs):
                 self._on_outputs(msg, frames[0])
             elif isinstance(msg, StatusReply):

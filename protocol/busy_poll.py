@@ -9,7 +9,8 @@ took 670 us blocking and 443 us with both ends spinning, against 95 us back to b
 `auto` spins only where the cluster runs on CUDA devices (hosts with cores to spare, as vLLM's
 workers spin on their shared-memory queue), for AUTO_SECONDS after the last message; on a CPU
 the cores are the model's, and nothing spins. Heartbeats open no window (`signs_of_life`): a
-frontend's, every 2 s, kept an idle engine core spinning half the time.
+frontend's, every 2 s, kept an idle engine core spinning half the time, and the core's, every
+second, would keep an idle frontend spinning for good.
 """
 
 from __future__ import annotations

@@ -154,8 +154,8 @@ def test_the_written_config_scrapes_the_coordinator_and_every_worker(cluster, pr
     assert jobs["siding-coordinator"]["static_configs"][0]["targets"] == [f"127.0.0.1:{p}"]
     assert jobs["siding-workers"]["static_configs"][0]["targets"] == \
         [f"127.0.0.1:{q}" for q in worker_ports(p, 2)]
-    wait_for(lambda: len(query(prometheus, 'up{job=~"siding-.*"} == 1')) == 3, 30,
-             "three targets up")
+    wait_for(lambda: len(query(prometheus, "up == 1")) == 4, 30,
+             "three targets up and the HTTP API's")
     assert {labels["job"] for labels, _ in query(prometheus, "up")} == \
         {"siding-coordinator", "siding-workers", "vllm-api"}
 
