@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from helpers.gguf_files import permute_like_llama_cpp
 from tokenizers import Tokenizer
 from torch import Tensor
 
@@ -321,14 +322,6 @@ SP_TEXTS = [
 
 
 Q = gguf.GGMLQuantizationType
-
-
-def permute_like_llama_cpp(w: np.ndarray, n_heads: int) -> np.ndarray:
-    return (
-        w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
 
 
 def write_gguf(path: Path, model, kind: str, matrix_type: Q) -> None:

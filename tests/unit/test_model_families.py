@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from helpers.gguf_files import permute_like_llama_cpp
 
 from worker.batch import build_meta
 from worker.build import load_stage, make_pool
@@ -129,11 +130,6 @@ def test_the_same_weights_as_gguf_give_the_tokens_of_generate(checkpoint, tmp_pa
 # ---- GGUF, as llama.cpp's converter writes these architectures --------------------------------
 
 GGUF_ARCH = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
-
-
-def permute_like_llama_cpp(w: np.ndarray, n_heads: int) -> np.ndarray:
-    return (w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
 
 
 def write_gguf(path: Path, model, kind: str) -> None:
