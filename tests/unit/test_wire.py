@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 import struct
 from array import array
 from pathlib import Path
@@ -153,9 +154,9 @@ REJECTED = {
     "bad msgpack": ([VERSION, b"\x01", b"\xc1"],
                     "malformed msgpack header (DecodeError: MessagePack data is malformed: "
                     "invalid opcode '\\xc1' (byte 0))"),
+    # the decoder's own words, which msgspec changed between 0.22 and 0.23
     "invalid utf-8": ([VERSION, b"\x02", b"\x81\xaarequest_id\xa2\xff\xfe"],
-                      "malformed msgpack header (UnicodeDecodeError: 'utf-8' codec can't decode "
-                      "byte 0xff in position 0: invalid start byte)"),
+                      re.compile(r"malformed msgpack header \(\w+Error: .*(?i:utf-8).*\)")),
     "trailing garbage": ([VERSION, b"\x01", msgpack.packb(GENERATE) + b"\x00"],
                          "malformed msgpack header (DecodeError: MessagePack data is malformed: "
                          "trailing characters (byte 23))"),
@@ -252,7 +253,11 @@ def test_bad_messages_are_rejected_with_a_clear_message(case):
     message_parts, expected = REJECTED[case]
     with pytest.raises(ProtocolError) as e:
         decode(message_parts)
-    assert (e.value.code, e.value.message) == ("invalid_request", expected)
+    assert e.value.code == "invalid_request"
+    if isinstance(expected, re.Pattern):
+        assert expected.fullmatch(e.value.message), e.value.message
+    else:
+        assert e.value.message == expected
 
 
 def test_an_oversized_header_is_rejected_before_it_is_parsed():
