@@ -23,7 +23,7 @@ class PoolLayer(Protocol):
         """The K and V pages this layer's attention reads, [pages, page, KVH, D], by address:
         the layer's own from its page base (`page_bases`)."""
 
-    def enter(self) -> Any:
+    def enter(self) -> None:
         """Before the layer's writes and reads: what must precede them (a slot's delivery)."""
 
     def leave(self, k: torch.Tensor, v: torch.Tensor) -> None:

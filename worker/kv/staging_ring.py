@@ -243,22 +243,19 @@ class StagingRing:
             self._deliver(m)
         self.issued = max(first, self.depth)
 
-    def acquire(self, layer: int) -> torch.Tensor:
-        """Layer `layer`'s window in its slot, once it has landed: [n, 2, page, KVH, D]. On the
-        ring path the compute side waits at a group's first layer, for the whole group."""
+    def acquire(self, layer: int) -> None:
+        """Layer `layer`'s window in its slot (from its page base, `page_bases`) before what the
+        compute side enqueues next: on the ordered path copied now, on the ring path waited for,
+        at a group's first layer for the whole group."""
         g, i = divmod(layer, self.group)
-        n, at = self.n, i * self.layer_stride
         if not self.ahead:
-            slot, host = self.slots[0], self.host[layer]
+            slot, host, at = self.slots[0], self.host[layer], i * self.layer_stride
             for start, count, off in self.runs:
                 slot[at + off:at + off + count].copy_(host[start:start + count],
                                                       non_blocking=True)
             self._windows += 1
-            return slot[at:at + n] if self.group > 1 else slot
-        s = (self.base + g) % self.n_slots
-        if not i:
-            self.transport.wait(self.ready[s])
-        return self.slots[s][at:at + n] if self.group > 1 else self.slots[s]
+        elif not i:
+            self.transport.wait(self.ready[(self.base + g) % self.n_slots])
 
     def release_slot(self, layer: int) -> None:
         """Layer `layer`'s attention is enqueued: after its group's last layer, free the slot and
