@@ -273,18 +273,21 @@ class Frontend:
         for out in list(self.requests.values()):
             self._forget(out)
             self._to_core(Cancel(key=out.key, reason="abort"))
-            self._refuse(out.client, out.msg.request_id, self.core_down)
+            self._refuse(out.client, out.msg.request_id, self._core_down())
             self._log_cut_short(out, "failed (the engine core is down)")
         for (client, request_id) in list(self.prompts.pending):
             self.prompts.cancel(client, request_id)
-            self._refuse(client, request_id, self.core_down)
+            self._refuse(client, request_id, self._core_down())
         while self.status_waiting:
-            self._refuse(self.status_waiting.popleft(), None, self.core_down)
+            self._refuse(self.status_waiting.popleft(), None, self._core_down())
 
-    def _refuse(self, identity: bytes, request_id: str | None, why: str) -> None:
-        self.errors[ErrorCode.UNAVAILABLE.value] += 1
-        self._send(identity, Error(code=ErrorCode.UNAVAILABLE.value, message=why,
-                                   request_id=request_id))
+    def _core_down(self) -> RequestError:
+        return RequestError(ErrorCode.UNAVAILABLE, self.core_down)
+
+    def _refuse(self, identity: bytes, request_id: str | None, e: RequestError) -> None:
+        """A request (or `status`) refused here: counted for the core's metrics, and answered."""
+        self.errors[e.code] += 1
+        self._send(identity, Error(code=e.code, message=e.message, request_id=request_id))
 
     def _on_outputs(self, msg: Outputs, frame: memoryview) -> None:
         rows = array("q")
@@ -399,9 +402,7 @@ class Frontend:
             try:
                 self._admit(identity, msg)
             except RequestError as e:
-                self.errors[e.code] += 1
-                self._send(identity, Error(code=e.code, message=e.message,
-                                           request_id=msg.request_id))
+                self._refuse(identity, msg.request_id, e)
         elif isinstance(msg, Abort):
             key = self.by_client.get((identity, msg.request_id))
             if key is not None:
@@ -420,7 +421,7 @@ class Frontend:
                     "it has ended, or it is another client's (a client aborts only its own)"))
         elif isinstance(msg, Status):
             if self.core_down is not None:
-                self._refuse(identity, None, self.core_down)
+                self._refuse(identity, None, self._core_down())
                 return
             self.status_waiting.append(identity)
             self._to_core(Status())
@@ -430,7 +431,7 @@ class Frontend:
     def _admit(self, identity: bytes, msg: Generate) -> None:
         msg.check()
         if self.core_down is not None:
-            raise RequestError(ErrorCode.UNAVAILABLE, self.core_down)
+            raise self._core_down()
         if (identity, msg.request_id) in self.by_client or (
                 (identity, msg.request_id) in self.prompts.pending):
             raise RequestError(ErrorCode.INVALID_REQUEST,
@@ -447,9 +448,7 @@ class Frontend:
                 raise job.error
             self._submit(job.client, job.msg, job.arrival, job.prompt)
         except RequestError as e:
-            self.errors[e.code] += 1
-            self._send(job.client, Error(code=e.code, message=e.message,
-                                         request_id=job.msg.request_id))
+            self._refuse(job.client, job.msg.request_id, e)
 
     def _submit(self, identity: bytes, msg: Generate, arrival: float,
                 prompt: list[int] | array) -> None:
