@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from helpers.gguf_files import permute_like_llama_cpp
+from helpers.gguf_files import gguf_writer, permute_like_llama_cpp
 from tokenizers import Tokenizer
 from torch import Tensor
 
@@ -329,52 +329,41 @@ def write_gguf(path: Path, model, kind: str, matrix_type: Q) -> None:
     llama's q/k permuted."""
     c = model.config
     sd = {k: v.numpy() for k, v in model.state_dict().items()}
-    w = gguf.GGUFWriter(str(path), kind)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(SP_TOKENS)
-    w.add_token_scores(SP_SCORES)
-    w.add_token_types(SP_TYPES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    with gguf_writer(path, kind, c) as w:
+        w.add_feed_forward_length(c.intermediate_size)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(SP_TOKENS)
+        w.add_token_scores(SP_SCORES)
+        w.add_token_types(SP_TYPES)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
 
-    def matrix(name: str, m: np.ndarray) -> None:
-        w.add_tensor(name, gguf.quants.quantize(m, matrix_type), raw_dtype=matrix_type)
+        def matrix(name: str, m: np.ndarray) -> None:
+            w.add_tensor(name, gguf.quants.quantize(m, matrix_type), raw_dtype=matrix_type)
 
-    matrix("token_embd.weight", sd["model.embed_tokens.weight"])
-    for i in range(c.num_hidden_layers):
-        h, g = f"model.layers.{i}.", f"blk.{i}."
-        q, k = sd[h + "self_attn.q_proj.weight"], sd[h + "self_attn.k_proj.weight"]
-        if kind == "llama":
-            q = permute_like_llama_cpp(q, c.num_attention_heads)
-            k = permute_like_llama_cpp(k, c.num_key_value_heads)
-        w.add_tensor(g + "attn_norm.weight", sd[h + "input_layernorm.weight"])
-        matrix(g + "attn_q.weight", q)
-        matrix(g + "attn_k.weight", k)
-        matrix(g + "attn_v.weight", sd[h + "self_attn.v_proj.weight"])
-        if kind == "qwen2":
-            for x in "qkv":
-                w.add_tensor(g + f"attn_{x}.bias", sd[h + f"self_attn.{x}_proj.bias"])
-        matrix(g + "attn_output.weight", sd[h + "self_attn.o_proj.weight"])
-        w.add_tensor(g + "ffn_norm.weight", sd[h + "post_attention_layernorm.weight"])
-        matrix(g + "ffn_gate.weight", sd[h + "mlp.gate_proj.weight"])
-        matrix(g + "ffn_up.weight", sd[h + "mlp.up_proj.weight"])
-        matrix(g + "ffn_down.weight", sd[h + "mlp.down_proj.weight"])
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    if not c.tie_word_embeddings:
-        matrix("output.weight", sd["lm_head.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        matrix("token_embd.weight", sd["model.embed_tokens.weight"])
+        for i in range(c.num_hidden_layers):
+            h, g = f"model.layers.{i}.", f"blk.{i}."
+            q, k = sd[h + "self_attn.q_proj.weight"], sd[h + "self_attn.k_proj.weight"]
+            if kind == "llama":
+                q = permute_like_llama_cpp(q, c.num_attention_heads)
+                k = permute_like_llama_cpp(k, c.num_key_value_heads)
+            w.add_tensor(g + "attn_norm.weight", sd[h + "input_layernorm.weight"])
+            matrix(g + "attn_q.weight", q)
+            matrix(g + "attn_k.weight", k)
+            matrix(g + "attn_v.weight", sd[h + "self_attn.v_proj.weight"])
+            if kind == "qwen2":
+                for x in "qkv":
+                    w.add_tensor(g + f"attn_{x}.bias", sd[h + f"self_attn.{x}_proj.bias"])
+            matrix(g + "attn_output.weight", sd[h + "self_attn.o_proj.weight"])
+            w.add_tensor(g + "ffn_norm.weight", sd[h + "post_attention_layernorm.weight"])
+            matrix(g + "ffn_gate.weight", sd[h + "mlp.gate_proj.weight"])
+            matrix(g + "ffn_up.weight", sd[h + "mlp.up_proj.weight"])
+            matrix(g + "ffn_down.weight", sd[h + "mlp.down_proj.weight"])
+        w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+        if not c.tie_word_embeddings:
+            matrix("output.weight", sd["lm_head.weight"])
 
 
 @pytest.mark.parametrize(

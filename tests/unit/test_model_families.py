@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
 import transformers
-from helpers.gguf_files import permute_like_llama_cpp
+from helpers.gguf_files import gguf_writer, permute_like_llama_cpp
 
 from worker.batch import build_meta
 from worker.build import load_stage, make_pool
@@ -138,59 +137,48 @@ def write_gguf(path: Path, model, kind: str) -> None:
     family = kind.split("-")[0]
     c, arch = model.config, GGUF_ARCH[family]
     sd = {k: v.numpy() for k, v in model.state_dict().items()}
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    if family == "qwen3":
-        w.add_feed_forward_length(c.intermediate_size)
-    else:
-        n = c.num_experts if family == "qwen3_moe" else c.num_local_experts
-        w.add_expert_count(n)
-        w.add_expert_used_count(c.num_experts_per_tok)
-        if family == "qwen3_moe":
-            w.add_expert_feed_forward_length(c.moe_intermediate_size)
-            w.add_expert_weights_norm(c.norm_topk_prob)
-        else:
-            w.add_feed_forward_length(c.intermediate_size)
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    for i in range(c.num_hidden_layers):
-        h, g = f"model.layers.{i}.", f"blk.{i}."
-        q, k = sd[h + "self_attn.q_proj.weight"], sd[h + "self_attn.k_proj.weight"]
-        if arch == "llama":
-            q = permute_like_llama_cpp(q, c.num_attention_heads)
-            k = permute_like_llama_cpp(k, c.num_key_value_heads)
-        w.add_tensor(g + "attn_norm.weight", sd[h + "input_layernorm.weight"])
-        w.add_tensor(g + "attn_q.weight", q)
-        w.add_tensor(g + "attn_k.weight", k)
-        w.add_tensor(g + "attn_v.weight", sd[h + "self_attn.v_proj.weight"])
-        if family != "mixtral":
-            w.add_tensor(g + "attn_q_norm.weight", sd[h + "self_attn.q_norm.weight"])
-            w.add_tensor(g + "attn_k_norm.weight", sd[h + "self_attn.k_norm.weight"])
-        w.add_tensor(g + "attn_output.weight", sd[h + "self_attn.o_proj.weight"])
-        w.add_tensor(g + "ffn_norm.weight", sd[h + "post_attention_layernorm.weight"])
+    with gguf_writer(path, arch, c) as w:
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_vocab_size(c.vocab_size)
         if family == "qwen3":
-            for x in ("gate", "up", "down"):
-                w.add_tensor(g + f"ffn_{x}.weight", sd[h + f"mlp.{x}_proj.weight"])
-            continue
-        moe = model.model.layers[i].mlp
-        w.add_tensor(g + "ffn_gate_inp.weight", moe.gate.weight.detach().numpy())
-        gate, up = np.split(moe.experts.gate_up_proj.detach().numpy(), 2, axis=1)
-        w.add_tensor(g + "ffn_gate_exps.weight", np.ascontiguousarray(gate))
-        w.add_tensor(g + "ffn_up_exps.weight", np.ascontiguousarray(up))
-        w.add_tensor(g + "ffn_down_exps.weight", moe.experts.down_proj.detach().numpy())
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    if not c.tie_word_embeddings:
-        w.add_tensor("output.weight", sd["lm_head.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            w.add_feed_forward_length(c.intermediate_size)
+        else:
+            n = c.num_experts if family == "qwen3_moe" else c.num_local_experts
+            w.add_expert_count(n)
+            w.add_expert_used_count(c.num_experts_per_tok)
+            if family == "qwen3_moe":
+                w.add_expert_feed_forward_length(c.moe_intermediate_size)
+                w.add_expert_weights_norm(c.norm_topk_prob)
+            else:
+                w.add_feed_forward_length(c.intermediate_size)
+        w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+        for i in range(c.num_hidden_layers):
+            h, g = f"model.layers.{i}.", f"blk.{i}."
+            q, k = sd[h + "self_attn.q_proj.weight"], sd[h + "self_attn.k_proj.weight"]
+            if arch == "llama":
+                q = permute_like_llama_cpp(q, c.num_attention_heads)
+                k = permute_like_llama_cpp(k, c.num_key_value_heads)
+            w.add_tensor(g + "attn_norm.weight", sd[h + "input_layernorm.weight"])
+            w.add_tensor(g + "attn_q.weight", q)
+            w.add_tensor(g + "attn_k.weight", k)
+            w.add_tensor(g + "attn_v.weight", sd[h + "self_attn.v_proj.weight"])
+            if family != "mixtral":
+                w.add_tensor(g + "attn_q_norm.weight", sd[h + "self_attn.q_norm.weight"])
+                w.add_tensor(g + "attn_k_norm.weight", sd[h + "self_attn.k_norm.weight"])
+            w.add_tensor(g + "attn_output.weight", sd[h + "self_attn.o_proj.weight"])
+            w.add_tensor(g + "ffn_norm.weight", sd[h + "post_attention_layernorm.weight"])
+            if family == "qwen3":
+                for x in ("gate", "up", "down"):
+                    w.add_tensor(g + f"ffn_{x}.weight", sd[h + f"mlp.{x}_proj.weight"])
+                continue
+            moe = model.model.layers[i].mlp
+            w.add_tensor(g + "ffn_gate_inp.weight", moe.gate.weight.detach().numpy())
+            gate, up = np.split(moe.experts.gate_up_proj.detach().numpy(), 2, axis=1)
+            w.add_tensor(g + "ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            w.add_tensor(g + "ffn_up_exps.weight", np.ascontiguousarray(up))
+            w.add_tensor(g + "ffn_down_exps.weight", moe.experts.down_proj.detach().numpy())
+        w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+        if not c.tie_word_embeddings:
+            w.add_tensor("output.weight", sd["lm_head.weight"])
