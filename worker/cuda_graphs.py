@@ -5,8 +5,8 @@ each one long before the host has issued the next, so a step costs host time, no
 (about 12 ms for `synthetic:llama-1b` on an H200, against about 1 ms of kernels). A step has the
 same shapes every time for a given row count and context size, so it is captured once per (row
 bucket, split bucket) and replayed, attention and the new rows' writes included. What is
-captured is the stage's own forward pass over a `PagedStep` (worker/step.py's `StepPass`): the same
-`StageModel.run` an eager step runs, in pieces cut where the pool's hooks run,
+captured is the stage's own forward pass over a `PagedStep` (worker/step.py's `StepPass`): the
+same `StageModel.run` an eager step runs, in pieces cut where the pool's hooks run,
 
     piece j:  layers of group j (a ring slot's, or all of them): their new rows into their pages
               (after a host pool's carried rows, the last step's, which its slot was filled
@@ -16,9 +16,8 @@ captured is the stage's own forward pass over a `PagedStep` (worker/step.py's `S
               norm, the logits (into one buffer all graphs share) and their argmax, the greedy
               tokens
 
-(captured as one graph each). A step that only
-takes greedy tokens needs nothing after the replay; one that draws replays a draw graph over
-the logits (`Head`, worker/draw_graphs.py).
+(captured as one graph each). A step that only takes greedy tokens needs nothing after the
+replay; one that draws replays a draw graph over the logits (`Head`, worker/draw_graphs.py).
 
 A row is a decode row or one of a prompt chunk's: a sequence's rows are consecutive positions,
 each attending to the keys up to its own (its rows are written before any row attends), in
@@ -29,25 +28,24 @@ whatever the step (the kernels are batch-invariant); in default mode a replayed 
 attended by the split kernel where an eager step uses the flash kernel, so its bits may differ,
 as those of any two batch shapes may.
 
-What changes from step to step is data in the bucket step's fixed buffers (`PagedStep`), written by
-one upload before the replay: positions, where each row is written, each row's table, the
-attention blocks, the rows that sample, each layer's page base (the slot a staging ring gives the
-layer this step; 0 for device pages) and the flat page tables (a host pool's, renumbered into its
-ring and on the device already, copied when they change). Rows are padded up to the bucket (a
-power of two up to ROW_STEP rows, then a multiple of it). The attention is launched as the
-pool's attention launches it for the bucket (`PagedAttention.step_attention`): over the bucket's
-keys (a power of two of 256-key splits), in default mode split as an eager decode step of the
-same bucket; grid programs past a row's keys exit at once.
+What changes from step to step is data in the bucket step's fixed buffers (`PagedStep`),
+written by one upload before the replay: positions, where each row is written, each row's
+table, the attention blocks, the rows that sample, each layer's page base (the slot a staging
+ring gives the layer this step; 0 for device pages) and the flat page tables (a host pool's,
+renumbered into its ring and on the device already, copied when they change). Rows are padded
+up to the bucket (a power of two up to ROW_STEP rows, then a multiple of it). The attention is
+launched as the pool's attention launches it for the bucket (`PagedAttention.step_attention`):
+over the bucket's keys (a power of two of 256-key splits), in default mode split as an eager
+decode step of the same bucket; grid programs past a row's keys exit at once.
 
 With device KV the pieces are one graph: a step is one replay. With host KV the pool's hooks run
 between pieces: before a piece its layers wait for their slot to be delivered, after it the
 slot's release is recorded and the next delivery issued, events a captured graph cannot wait on
 across steps. A ring whose slots hold several layers (`piece_layers`) has a piece per slot:
 fewer launches, each of which costs microseconds of host and device time, more while the link
-is busy (docs/kv-pipelining.md). The ring chooses the
-slot size each step, so graphs are kept per (row bucket, split bucket, slot size). A pool's
-buffers are captured by address: when a ring reallocates its buffer, the graphs are captured
-again.
+is busy (docs/kv-pipelining.md). The ring chooses the slot size each step, so graphs are kept
+per (row bucket, split bucket, slot size). A pool's buffers are captured by address: when a ring
+reallocates its buffer, the graphs are captured again.
 
 The pieces are the eager step's own (`step.run_eagerly`), and so are the kernels (the pool's
 `PagedAttention`): a device pool and a host pool, one worker or several, exact mode or not, all
